@@ -1,0 +1,7 @@
+"""Shared command-line flags: `--config configs/X.py` with dotted overrides (`--config.train.steps=50`)."""
+
+from absl import flags
+from ml_collections import config_flags
+
+CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).", lock_config=True)
+flags.mark_flag_as_required("config")

@@ -1,0 +1,166 @@
+"""Default settings and validation: every error names the field, its value and the fix."""
+
+from __future__ import annotations
+
+import math
+
+import ml_collections
+from ml_collections.config_dict import placeholder
+
+NORMS = ("rmsnorm", "layernorm")
+MLP_ACTIVATIONS = ("swiglu", "geglu", "gelu")
+REMAT_POLICIES = ("none", "full", "group", "selective", "dots", "offload")
+MESH_AXES = ("data", "fsdp", "stage", "tensor")
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message says which field and how to fix it."""
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Every field any tool reads, with defaults; config files override what they need."""
+    cfg = ml_collections.ConfigDict()
+    cfg.model = dict(
+        num_layers=8,
+        hidden=128,
+        num_heads=4,
+        num_kv_heads=placeholder(int),  # None: same as num_heads (MHA)
+        head_dim=placeholder(int),  # None: hidden // num_heads
+        mlp=384,
+        vocab_size=257,
+        vocab_pad_multiple=128,
+        max_seq_len=2048,
+        qkv_share_every=4,
+        norm="rmsnorm",
+        mlp_activation="swiglu",
+        tie_embeddings=False,
+        rope_theta=10000.0,
+        dtype="bfloat16",
+        param_dtype="float32",
+        remat="none",
+        init_std=0.02,
+        norm_eps=1e-5,
+    )
+    cfg.parallel = dict(data=-1, fsdp=1, stage=1, tensor=1, microbatches=1, repeats=1, zero1=True)
+    cfg.train = dict(
+        steps=100,
+        batch_size=8,
+        seq_len=128,
+        grad_accum_steps=1,
+        seed=0,
+        lr=3e-4,
+        min_lr_ratio=0.1,
+        warmup_steps=10,
+        weight_decay=0.1,
+        b1=0.9,
+        b2=0.95,
+        eps=1e-8,
+        clip_norm=1.0,
+        log_every=10,
+        sample_prompt="def ",
+        sample_tokens=64,
+    )
+    cfg.data = dict(source="stdlib", max_bytes=8_000_000)
+    return cfg
+
+
+def num_kv_heads(model: ml_collections.ConfigDict) -> int:
+    return model.num_kv_heads or model.num_heads
+
+
+def head_dim(model: ml_collections.ConfigDict) -> int:
+    return model.head_dim or model.hidden // model.num_heads
+
+
+def padded_vocab(model: ml_collections.ConfigDict) -> int:
+    m = model.vocab_pad_multiple
+    return -(-model.vocab_size // m) * m
+
+
+def mesh_shape(parallel: ml_collections.ConfigDict, num_devices: int) -> tuple[int, ...]:
+    """Mesh sizes in MESH_AXES order, with a single -1 filled from the device count."""
+    sizes = [parallel[a] for a in MESH_AXES]
+    asked = ", ".join(f"parallel.{a}={parallel[a]}" for a in MESH_AXES)
+    if sizes.count(-1) > 1:
+        raise ConfigError(f"{asked}: at most one mesh size may be -1; set the others explicitly")
+    if any(s == 0 or s < -1 for s in sizes):
+        raise ConfigError(f"{asked}: mesh sizes must be positive (or one of them -1)")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if num_devices % known:
+            raise ConfigError(
+                f"{asked}: the fixed sizes multiply to {known}, which does not divide the "
+                f"{num_devices} devices; choose sizes whose product divides {num_devices}"
+            )
+        sizes[sizes.index(-1)] = num_devices // known
+    if math.prod(sizes) != num_devices:
+        raise ConfigError(
+            f"{asked}: the mesh has {math.prod(sizes)} devices but {num_devices} exist; "
+            f"make the product equal {num_devices} or set one size to -1"
+        )
+    return tuple(sizes)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[int, ...]:
+    """Checks the whole config before any work; returns the resolved mesh shape."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    _require(m.norm in NORMS, f"model.norm={m.norm!r} is unknown; use one of {NORMS}")
+    _require(
+        m.mlp_activation in MLP_ACTIVATIONS,
+        f"model.mlp_activation={m.mlp_activation!r} is unknown; use one of {MLP_ACTIVATIONS}",
+    )
+    _require(m.remat in REMAT_POLICIES, f"model.remat={m.remat!r} is unknown; use one of {REMAT_POLICIES}")
+    _require(
+        m.qkv_share_every >= 1 and m.num_layers % m.qkv_share_every == 0,
+        f"model.num_layers={m.num_layers} is not divisible by model.qkv_share_every={m.qkv_share_every}; "
+        f"use a multiple of {m.qkv_share_every} layers (e.g. {max(1, m.num_layers // m.qkv_share_every) * m.qkv_share_every}) "
+        "or another qkv_share_every",
+    )
+    kv = num_kv_heads(m)
+    _require(
+        m.num_heads % kv == 0,
+        f"model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads={kv}; "
+        "each kv head must serve a whole number of query heads",
+    )
+    _require(
+        m.head_dim is not None or m.hidden % m.num_heads == 0,
+        f"model.hidden={m.hidden} is not divisible by model.num_heads={m.num_heads}; set model.head_dim explicitly",
+    )
+    shape = mesh_shape(p, num_devices)
+    data, fsdp, stage, tensor = shape
+    for field, value in (
+        ("model.num_heads", m.num_heads),
+        ("model.num_kv_heads", kv),
+        ("model.mlp", m.mlp),
+        ("padded vocab (model.vocab_size rounded up to model.vocab_pad_multiple)", padded_vocab(m)),
+    ):
+        _require(
+            value % tensor == 0,
+            f"{field}={value} is not divisible by parallel.tensor={tensor}; "
+            f"choose a tensor size that divides {value}",
+        )
+    _require(
+        m.hidden % fsdp == 0,
+        f"model.hidden={m.hidden} is not divisible by parallel.fsdp={fsdp}; choose an fsdp size that divides it",
+    )
+    _require(
+        stage == 1,
+        f"parallel.stage={stage}: pipeline parallelism is not available yet; set parallel.stage=1",
+    )
+    per_step = data * fsdp * t.grad_accum_steps * p.microbatches
+    _require(
+        t.batch_size % per_step == 0,
+        f"train.batch_size={t.batch_size} is not divisible by data*fsdp*grad_accum_steps*microbatches="
+        f"{data}*{fsdp}*{t.grad_accum_steps}*{p.microbatches}={per_step}; use a multiple of {per_step}",
+    )
+    _require(
+        t.seq_len <= m.max_seq_len,
+        f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
+        "lower train.seq_len or raise model.max_seq_len",
+    )
+    return shape

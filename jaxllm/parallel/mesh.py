@@ -1,0 +1,25 @@
+"""The named device mesh ('data', 'fsdp', 'stage', 'tensor')."""
+
+from __future__ import annotations
+
+import jax
+import ml_collections
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from jaxllm.config import MESH_AXES, mesh_shape
+
+
+def make_mesh(parallel: ml_collections.ConfigDict, devices: list | None = None) -> Mesh:
+    """Builds the mesh from `config.parallel`; sizes are checked against the device count."""
+    devices = jax.devices() if devices is None else devices
+    shape = mesh_shape(parallel, len(devices))
+    if devices == jax.devices():
+        # make_mesh orders devices for the physical topology (NVLink/ICI locality for 'tensor').
+        return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def describe(mesh: Mesh) -> str:
+    sizes = " × ".join(f"{name} {size}" for name, size in mesh.shape.items())
+    return f"mesh: {sizes} = {mesh.size} {mesh.devices.flat[0].platform} devices"

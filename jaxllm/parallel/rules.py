@@ -1,0 +1,92 @@
+"""The one table that maps logical axis names to mesh axes.
+
+Model code names its dimensions (`embed`, `heads`, `batch`, ...); only this table knows the mesh.
+Changing a layout means changing this table or the mesh sizes, never the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MeshAxes = str | tuple[str, ...] | None
+
+RULES: dict[str, MeshAxes] = {
+    # activations
+    "batch": ("data", "fsdp"),
+    "seq": None,
+    "act_embed": None,  # the residual stream stays whole on each device
+    # parameters (and activations that carry these dims)
+    "embed": "fsdp",  # ZeRO-3: parameters sharded on their model dim
+    "vocab": "tensor",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "head_dim": None,
+    "layers": None,
+    "sublayers": None,
+    "stage": "stage",
+}
+
+# ZeRO-1: optimizer state is also split over the data-parallel replicas.
+OPTIMIZER_RULES: dict[str, MeshAxes] = {**RULES, "embed": ("fsdp", "data")}
+
+
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def logical_spec(
+    names: Sequence[str | None],
+    rules: Mapping[str, MeshAxes] = RULES,
+    shape: Sequence[int] | None = None,
+    mesh: Mesh | None = None,
+) -> PartitionSpec:
+    """PartitionSpec for logical dim names. With `shape` and `mesh`, mesh axes that do not divide
+    a dim are left out (used for ZeRO-1, whose extra data split is an optimisation, not a must)."""
+    out = []
+    for i, name in enumerate(names):
+        axes = _as_tuple(rules[name]) if name is not None else ()
+        if shape is not None and mesh is not None:
+            kept, size = [], 1
+            for a in axes:
+                if shape[i] % (size * mesh.shape[a]) == 0:
+                    kept.append(a)
+                    size *= mesh.shape[a]
+            axes = tuple(kept)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    while out and out[-1] is None:
+        out.pop()
+    return PartitionSpec(*out)
+
+
+def constrain(x: jax.Array, *names: str | None) -> jax.Array:
+    """Pins an activation's sharding by logical names (needs a mesh in context)."""
+    return jax.lax.with_sharding_constraint(x, logical_spec(names))
+
+
+def named_sharding(mesh: Mesh, names: Sequence[str | None], rules: Mapping[str, MeshAxes] = RULES) -> NamedSharding:
+    return NamedSharding(mesh, logical_spec(names, rules))
+
+
+def tree_shardings(specs, mesh: Mesh, rules: Mapping[str, MeshAxes] = RULES, *, fit: bool = False):
+    """NamedShardings for a tree of specs (objects with `.axes` and `.shape`).
+    `fit=True` drops mesh axes that do not divide a dim (see `logical_spec`)."""
+    def one(spec):
+        return NamedSharding(mesh, logical_spec(spec.axes, rules, spec.shape if fit else None, mesh if fit else None))
+
+    return jax.tree.map(one, specs, is_leaf=lambda x: hasattr(x, "axes") and hasattr(x, "shape"))
+
+
+def manual_spec(*names: str | None, manual_axes: frozenset[str] = frozenset({"tensor"})) -> PartitionSpec:
+    """The part of a logical spec that a `shard_map` over `manual_axes` handles by hand; the other
+    mesh axes stay automatic (GSPMD)."""
+    dims = []
+    for name in names:
+        kept = tuple(a for a in _as_tuple(RULES[name] if name else None) if a in manual_axes)
+        dims.append(kept[0] if len(kept) == 1 else (kept or None))
+    return PartitionSpec(*dims)

@@ -1,0 +1,64 @@
+"""Metrics out: JSONL and TensorBoard in the workdir; device peak FLOPs for MFU."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+from tensorboardX import SummaryWriter
+
+# Dense bf16 peak per device (FLOP/s), matched against `device_kind`.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+
+
+class MetricsWriter:
+    """One JSON object per logged step in `metrics.jsonl`, the same scalars as TensorBoard events."""
+
+    def __init__(self, workdir: str | pathlib.Path):
+        self.dir = pathlib.Path(workdir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.dir / "metrics.jsonl", "a")
+        self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._jsonl.flush()
+        for name, value in metrics.items():
+            self._tb.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        self._jsonl.close()
+        self._tb.close()
+
+
+def measure_matmul_peak(n: int = 1024, repeats: int = 10) -> float:
+    """FLOP/s of a large fp32 matmul on the first device: the CPU's practical peak."""
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a = f(a)
+    a.block_until_ready()
+    return 2 * n**3 * repeats / (time.perf_counter() - start)
+
+
+def peak_flops(devices: list) -> tuple[float, str]:
+    """Aggregate peak FLOP/s of `devices` and where the figure comes from. Fake CPU devices share
+    the host's cores, so on CPU the host's measured matmul peak is the whole budget."""
+    kind = devices[0].device_kind
+    for name, peak in PEAK_FLOPS.items():
+        if name in kind:
+            return peak * len(devices), f"{name} bf16 table × {len(devices)}"
+    if devices[0].platform == "cpu":
+        return measure_matmul_peak(), "CPU fp32 matmul peak measured at start-up"
+    raise ValueError(f"no peak FLOPs known for device kind {kind!r}; add it to PEAK_FLOPS in jaxllm/train/metrics.py")
+
+
+def memory_in_use() -> float | None:
+    """Bytes in use on the first local device, where the backend reports it (GPUs do, CPU does not)."""
+    stats = jax.local_devices()[0].memory_stats()
+    return float(stats["bytes_in_use"]) if stats and "bytes_in_use" in stats else None

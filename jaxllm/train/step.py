@@ -1,0 +1,118 @@
+"""The train state, its shardings, and the jitted train step (with gradient accumulation)."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxllm.model.params import ParamSpec, init_params, is_spec, param_specs
+from jaxllm.model.transformer import forward
+from jaxllm.parallel.rules import OPTIMIZER_RULES, RULES, logical_spec, tree_shardings
+from jaxllm.train.optim import learning_rate, make_optimizer
+
+State = dict[str, Any]  # {'step', 'params', 'opt_state'}: plain arrays, ready for Orbax
+Batch = dict[str, jax.Array]  # 'inputs', 'targets', optional 'loss_mask', 'segment_ids', 'positions'
+
+
+def loss_sums(params: dict, batch: Batch, model: ml_collections.ConfigDict) -> tuple[jax.Array, jax.Array]:
+    """(sum of next-token cross-entropy over unmasked tokens, number of unmasked tokens), in fp32."""
+    logits = forward(params, batch["inputs"], model, batch.get("segment_ids"), batch.get("positions"))
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
+    mask = batch.get("loss_mask", jnp.ones_like(batch["targets"])).astype(jnp.float32)
+    return jnp.sum((lse - target_logit) * mask), jnp.sum(mask)
+
+
+def mean_loss(params: dict, batch: Batch, model: ml_collections.ConfigDict) -> jax.Array:
+    total, count = loss_sums(params, batch, model)
+    return total / jnp.maximum(count, 1.0)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, logical_spec(("batch", "seq")))
+
+
+def state_shardings(cfg: ml_collections.ConfigDict, mesh: Mesh) -> State:
+    """Params follow the rules table; optimizer moments follow their params and, with
+    `parallel.zero1`, are also split over `data` where the dim allows."""
+    specs = param_specs(cfg.model)
+    params = tree_shardings(specs, mesh)
+    moments = tree_shardings(specs, mesh, OPTIMIZER_RULES if cfg.parallel.zero1 else RULES, fit=True)
+    params_def = jax.tree.structure(params)
+    abstract = jax.eval_shape(make_optimizer(cfg.train).init, jax.tree.map(_abstract, specs, is_leaf=is_spec))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt_state = jax.tree.map(
+        lambda node: moments if jax.tree.structure(node) == params_def else replicated,
+        abstract,
+        is_leaf=lambda node: jax.tree.structure(node) == params_def,
+    )
+    return {"step": replicated, "params": params, "opt_state": opt_state}
+
+
+def _abstract(spec: ParamSpec) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(spec.shape, jnp.float32)
+
+
+def init_state(cfg: ml_collections.ConfigDict, mesh: Mesh) -> State:
+    """Initialises params and optimizer state directly into their shardings."""
+    specs = param_specs(cfg.model)
+    optimizer = make_optimizer(cfg.train)
+
+    def init() -> State:
+        params = init_params(specs, cfg.train.seed, jnp.dtype(cfg.model.param_dtype))
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
+
+    return jax.jit(init, out_shardings=state_shardings(cfg, mesh))()
+
+
+def _split_microbatches(batch: Batch, n: int) -> Batch:
+    """[B, ...] → [n, B/n, ...] taking every n-th row, so each device keeps its own rows."""
+    return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1), batch)
+
+
+def train_step(state: State, batch: Batch, cfg: ml_collections.ConfigDict, shardings: State) -> tuple[State, dict]:
+    """One optimizer step over `grad_accum_steps` sequential microbatches. The loss is the mean over
+    all unmasked tokens of the whole batch, whatever the accumulation."""
+    model, accum = cfg.model, cfg.train.grad_accum_steps
+    grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
+    params = state["params"]
+
+    def accumulate(carry, micro):
+        total, count, grads = carry
+        (loss, n), g = grad_fn(params, micro, model)
+        grads = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grads, g), shardings["params"])
+        return (total + loss, count + n, grads), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (total, count, grads), _ = jax.lax.scan(
+        accumulate, (jnp.zeros(()), jnp.zeros(()), zeros), _split_microbatches(batch, accum)
+    )
+    count = jnp.maximum(count, 1.0)
+    grads = jax.tree.map(lambda g: g / count, grads)
+    optimizer = make_optimizer(cfg.train)
+    updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+    new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates), "opt_state": opt_state}
+    metrics = {
+        "loss": total / count,
+        "grad_norm": optax.global_norm(grads),
+        "lr": learning_rate(cfg.train)(state["step"]),
+        "tokens": count,
+    }
+    return new_state, metrics
+
+
+def compile_train_step(cfg: ml_collections.ConfigDict, mesh: Mesh):
+    """The jitted step with explicit in/out shardings; the old state is donated."""
+    shardings = state_shardings(cfg, mesh)
+    return jax.jit(
+        partial(train_step, cfg=cfg, shardings=shardings),
+        in_shardings=(shardings, batch_sharding(mesh)),
+        out_shardings=(shardings, None),
+        donate_argnums=0,
+    )
