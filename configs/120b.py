@@ -18,8 +18,17 @@ from jaxllm.config import base_config
 def get_config():
     cfg = base_config()
     cfg.model.update(
-        num_layers=80, hidden=12288, num_heads=96, num_kv_heads=96, head_dim=128, mlp=32768,
-        vocab_size=50257, max_seq_len=2048, qkv_share_every=4, dtype="bfloat16", remat="group",
+        num_layers=80,
+        hidden=12288,
+        num_heads=96,
+        num_kv_heads=96,
+        head_dim=128,
+        mlp=32768,
+        vocab_size=50257,
+        max_seq_len=2048,
+        qkv_share_every=4,
+        dtype="bfloat16",
+        remat="group",
     )
     cfg.parallel.update(data=1, fsdp=2, stage=4, tensor=8, microbatches=32, repeats=1)
     cfg.train.update(steps=100_000, batch_size=64, seq_len=2048, lr=6e-5, warmup_steps=2000, log_every=10)

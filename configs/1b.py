@@ -6,8 +6,17 @@ from jaxllm.config import base_config
 def get_config():
     cfg = base_config()
     cfg.model.update(
-        num_layers=24, hidden=2048, num_heads=16, num_kv_heads=16, head_dim=128, mlp=5632,
-        vocab_size=50257, max_seq_len=2048, qkv_share_every=4, dtype="bfloat16", remat="selective",
+        num_layers=24,
+        hidden=2048,
+        num_heads=16,
+        num_kv_heads=16,
+        head_dim=128,
+        mlp=5632,
+        vocab_size=50257,
+        max_seq_len=2048,
+        qkv_share_every=4,
+        dtype="bfloat16",
+        remat="selective",
     )
     cfg.parallel.update(data=1, fsdp=8, tensor=1)
     cfg.train.update(steps=50_000, batch_size=64, seq_len=2048, lr=3e-4, warmup_steps=1000, log_every=10)

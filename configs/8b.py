@@ -1,4 +1,5 @@
-"""~8.4B model (Llama-8B width, GQA, 40 layers since QKV is shared) for one 8-GPU node: tensor 2 × fsdp 4, full remat."""
+"""~8.4B model for one 8-GPU node: Llama-8B width with GQA, 40 layers (QKV is shared, so 32 would be
+6.8B); tensor 2 × fsdp 4, full remat."""
 
 from jaxllm.config import base_config
 
@@ -6,8 +7,17 @@ from jaxllm.config import base_config
 def get_config():
     cfg = base_config()
     cfg.model.update(
-        num_layers=40, hidden=4096, num_heads=32, num_kv_heads=8, head_dim=128, mlp=14336,
-        vocab_size=50257, max_seq_len=4096, qkv_share_every=4, dtype="bfloat16", remat="full",
+        num_layers=40,
+        hidden=4096,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        mlp=14336,
+        vocab_size=50257,
+        max_seq_len=4096,
+        qkv_share_every=4,
+        dtype="bfloat16",
+        remat="full",
     )
     cfg.parallel.update(data=1, fsdp=4, tensor=2)
     cfg.train.update(steps=50_000, batch_size=64, seq_len=4096, lr=3e-4, warmup_steps=1000, log_every=10)

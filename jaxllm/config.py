@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import pathlib
 
 import ml_collections
 from ml_collections.config_dict import placeholder
@@ -64,6 +66,19 @@ def base_config() -> ml_collections.ConfigDict:
     return cfg
 
 
+def load_config(path: str | pathlib.Path) -> ml_collections.ConfigDict:
+    """`get_config()` of a config file, e.g. `configs/tiny.py` (paths relative to the repo root work too)."""
+    path = pathlib.Path(path)
+    if not path.exists() and (pathlib.Path(__file__).parents[1] / path).exists():
+        path = pathlib.Path(__file__).parents[1] / path
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    if spec is None or not path.exists():
+        raise ConfigError(f"config file {path} does not exist; pass a path such as configs/tiny.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
 def num_kv_heads(model: ml_collections.ConfigDict) -> int:
     return model.num_kv_heads or model.num_heads
 
@@ -118,8 +133,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[int, ...
     _require(
         m.qkv_share_every >= 1 and m.num_layers % m.qkv_share_every == 0,
         f"model.num_layers={m.num_layers} is not divisible by model.qkv_share_every={m.qkv_share_every}; "
-        f"use a multiple of {m.qkv_share_every} layers (e.g. {max(1, m.num_layers // m.qkv_share_every) * m.qkv_share_every}) "
-        "or another qkv_share_every",
+        f"use a multiple of {m.qkv_share_every} layers or another qkv_share_every",
     )
     kv = num_kv_heads(m)
     _require(
@@ -141,8 +155,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[int, ...
     ):
         _require(
             value % tensor == 0,
-            f"{field}={value} is not divisible by parallel.tensor={tensor}; "
-            f"choose a tensor size that divides {value}",
+            f"{field}={value} is not divisible by parallel.tensor={tensor}; choose a tensor size that divides {value}",
         )
     _require(
         m.hidden % fsdp == 0,

@@ -38,9 +38,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (xf * cos + jnp.concatenate([-x2, x1], -1) * sin).astype(x.dtype)
 
 
-def attention_mask(
-    q_index: jax.Array, k_index: jax.Array, q_segment: jax.Array, k_segment: jax.Array
-) -> jax.Array:
+def attention_mask(q_index: jax.Array, k_index: jax.Array, q_segment: jax.Array, k_segment: jax.Array) -> jax.Array:
     """[batch, 1, q, k] boolean: causal by sequence index, and only within the same segment."""
     causal = k_index[:, None, :] <= q_index[:, :, None]
     same_doc = k_segment[:, None, :] == q_segment[:, :, None]

@@ -7,8 +7,9 @@ out, down row-parallel) and ends in one all-reduce. Data and FSDP sharding stay 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,10 +34,14 @@ class Context(NamedTuple):
 
 def _tensor_parallel(fn: Callable, *in_specs) -> Callable:
     """Runs `fn` on each `tensor` shard and all-reduces its partial outputs. Built per trace, as
-    shard_map binds the mesh in context at its first call."""
+    shard_map binds the mesh in context at its first call; without tensor parallelism `fn` runs as is."""
+    if jax.sharding.get_abstract_mesh().shape.get("tensor", 1) == 1:
+        return fn
 
-    def summed(*args):
-        return jax.lax.psum(fn(*args), "tensor")
+    def summed(x, *args):
+        # One explicit pcast: the backward pass then all-reduces x's summed cotangent once,
+        # instead of once per projection that reads x.
+        return jax.lax.psum(fn(jax.lax.pcast(x, "tensor", to="varying"), *args), "tensor")
 
     return jax.shard_map(summed, in_specs=in_specs, out_specs=P(), axis_names={"tensor"})
 
@@ -100,7 +105,7 @@ def group_forward(x: jax.Array, group: dict, ctx: Context, model: ml_collections
     step = wrap_layer(partial(layer_forward, model=model))
     x = checkpoint_name(x, "group_input")
     for i in range(model.qkv_share_every):
-        x = step(x, group["qkv"], jax.tree.map(lambda a: a[i], group["layers"]), ctx)
+        x = step(x, group["qkv"], jax.tree.map(lambda a, i=i: a[i], group["layers"]), ctx)
     return x
 
 

@@ -76,6 +76,7 @@ def named_sharding(mesh: Mesh, names: Sequence[str | None], rules: Mapping[str, 
 def tree_shardings(specs, mesh: Mesh, rules: Mapping[str, MeshAxes] = RULES, *, fit: bool = False):
     """NamedShardings for a tree of specs (objects with `.axes` and `.shape`).
     `fit=True` drops mesh axes that do not divide a dim (see `logical_spec`)."""
+
     def one(spec):
         return NamedSharding(mesh, logical_spec(spec.axes, rules, spec.shape if fit else None, mesh if fit else None))
 

@@ -28,7 +28,11 @@ def make_optimizer(train: ml_collections.ConfigDict) -> optax.GradientTransforma
     return optax.chain(
         optax.clip_by_global_norm(train.clip_norm),
         optax.adamw(
-            learning_rate(train), b1=train.b1, b2=train.b2, eps=train.eps,
-            weight_decay=train.weight_decay, mask=_decays,
+            learning_rate(train),
+            b1=train.b1,
+            b2=train.b2,
+            eps=train.eps,
+            weight_decay=train.weight_decay,
+            mask=_decays,
         ),
     )

@@ -100,7 +100,7 @@ def train_step(state: State, batch: Batch, cfg: ml_collections.ConfigDict, shard
     new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates), "opt_state": opt_state}
     metrics = {
         "loss": total / count,
-        "grad_norm": optax.global_norm(grads),
+        "grad_norm": optax.tree.norm(grads),
         "lr": learning_rate(cfg.train)(state["step"]),
         "tokens": count,
     }

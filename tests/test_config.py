@@ -1,0 +1,82 @@
+"""Config validation: each bad setting is refused with a message naming the field and the fix."""
+
+import pytest
+from conftest import small_config
+
+from jaxllm.config import ConfigError, load_config, mesh_shape, validate
+
+CASES = {
+    "layers vs qkv sharing": (
+        {"model.num_layers": 6, "model.qkv_share_every": 4},
+        ["model.num_layers=6", "multiple of 4"],
+    ),
+    "heads vs tensor": (
+        {"model.num_heads": 6, "model.num_kv_heads": 6, "model.head_dim": 8, "parallel.tensor": 4, "parallel.data": 2},
+        ["model.num_heads=6", "parallel.tensor=4"],
+    ),
+    "kv heads vs tensor": (
+        {"model.num_kv_heads": 2, "parallel.tensor": 4, "parallel.data": 2},
+        ["model.num_kv_heads=2", "parallel.tensor=4"],
+    ),
+    "mlp vs tensor": (
+        {"model.mlp": 100, "model.num_kv_heads": 8, "parallel.tensor": 8, "parallel.data": 1},
+        ["model.mlp=100", "parallel.tensor=8"],
+    ),
+    "padded vocab vs tensor": (
+        {
+            "model.vocab_pad_multiple": 4,
+            "model.vocab_size": 258,
+            "model.num_kv_heads": 8,
+            "parallel.tensor": 8,
+            "parallel.data": 1,
+        },
+        ["padded vocab", "260"],
+    ),
+    "batch vs data": ({"train.batch_size": 12, "parallel.data": 8}, ["train.batch_size=12", "multiple of 8"]),
+    "batch vs accumulation": (
+        {"train.batch_size": 16, "parallel.data": 8, "train.grad_accum_steps": 4},
+        ["train.batch_size=16", "8*1*4*1=32"],
+    ),
+    "seq_len": ({"train.seq_len": 128}, ["train.seq_len=128", "model.max_seq_len=64"]),
+    "mesh product": ({"parallel.data": 2, "parallel.tensor": 2}, ["4 devices but 8 exist"]),
+    "mesh does not divide": ({"parallel.data": -1, "parallel.tensor": 3}, ["does not divide the 8 devices"]),
+    "two -1 sizes": ({"parallel.data": -1, "parallel.fsdp": -1}, ["at most one mesh size may be -1"]),
+    "remat": ({"model.remat": "everything"}, ["model.remat='everything'", "'selective'"]),
+    "norm": ({"model.norm": "batchnorm"}, ["model.norm='batchnorm'", "rmsnorm"]),
+    "activation": ({"model.mlp_activation": "relu"}, ["model.mlp_activation='relu'", "swiglu"]),
+    "pipeline not yet": ({"parallel.stage": 2, "parallel.data": 4}, ["parallel.stage=2", "set parallel.stage=1"]),
+    "gqa ratio": ({"model.num_kv_heads": 3}, ["model.num_heads=8", "model.num_kv_heads=3"]),
+}
+
+
+def _apply(cfg, overrides):
+    for dotted, value in overrides.items():
+        section, field = dotted.split(".")
+        cfg[section][field] = value
+    return cfg
+
+
+@pytest.mark.parametrize("overrides,phrases", CASES.values(), ids=CASES.keys())
+def test_bad_config_is_refused_with_field_and_fix(overrides, phrases):
+    cfg = _apply(small_config(), {"parallel.data": 8, **overrides})
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, num_devices=8)
+    for phrase in phrases:
+        assert phrase in str(err.value), (phrase, str(err.value))
+
+
+def test_valid_configs_resolve_their_mesh():
+    assert validate(_apply(small_config(), {"parallel.data": -1, "parallel.tensor": 2}), 8) == (4, 1, 1, 2)
+    assert mesh_shape(load_config("configs/tiny.py").parallel, 1) == (1, 1, 1, 1)
+    for name in ("1b", "8b"):
+        validate(load_config(f"configs/{name}.py"), 8)
+
+
+def test_120b_layout_is_refused_only_for_the_missing_pipeline():
+    with pytest.raises(ConfigError, match="pipeline parallelism is not available"):
+        validate(load_config("configs/120b.py"), 64)
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("configs/nope.py")

@@ -1,0 +1,66 @@
+"""The compiled HLO of tensor-parallel layers: Megatron's all-reduce pattern and no weight gathers."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+from conftest import small_config
+
+from jaxllm.model.params import init_params, param_specs
+from jaxllm.model.transformer import group_forward, make_context
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.parallel.rules import constrain
+from jaxllm.train.step import state_shardings
+
+
+def _count(hlo: str, op: str, *, backward: bool | None = None) -> int:
+    """Arrays passed through collective `op` (a combined tuple op counts each operand); with
+    `backward`, only ops from the gradient (transpose) pass, or only the others."""
+    total = 0
+    for line in hlo.splitlines():
+        match = re.search(rf"= .*? {op}(?:-start)?\((.*?)\)", line)
+        if not match or (backward is not None and ("transpose(" in line) != backward):
+            continue
+        total += match.group(1).count("%")
+    return total
+
+
+def _compiled_group(cfg, grad: bool) -> str:
+    mesh = make_mesh(cfg.parallel)
+    groups_sharding = state_shardings(cfg, mesh)["params"]["groups"]
+    group_sharding = jax.tree.map(
+        lambda s: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*s.spec[1:])), groups_sharding
+    )
+    group = jax.tree.map(lambda a: a[0], init_params(param_specs(cfg.model), 0)["groups"])
+    tokens = jnp.zeros((8, cfg.train.seq_len), jnp.int32)
+    x = jnp.ones((8, cfg.train.seq_len, cfg.model.hidden))
+
+    def run(group, x):
+        x = constrain(x, "batch", "seq", "act_embed")
+        return group_forward(x, group, make_context(cfg.model, tokens, None, None), cfg.model).sum()
+
+    with jax.set_mesh(mesh):
+        fn = jax.grad(run, argnums=(0, 1)) if grad else run
+        return jax.jit(fn, in_shardings=(group_sharding, None)).lower(group, x).compile().as_text()
+
+
+def test_tensor_parallel_forward_all_reduces_once_per_block():
+    cfg = _tp_config()
+    hlo = _compiled_group(cfg, grad=False)
+    assert _count(hlo, "all-reduce") == 2 * cfg.model.qkv_share_every  # attention + feed-forward per layer
+    assert _count(hlo, "all-gather") == 0
+    assert _count(hlo, "reduce-scatter") == 0
+
+
+def test_tensor_parallel_backward_all_reduces_once_per_block_and_gathers_no_weight():
+    cfg = _tp_config()
+    hlo = _compiled_group(cfg, grad=True)
+    assert _count(hlo, "all-reduce", backward=True) == 2 * cfg.model.qkv_share_every
+    assert _count(hlo, "all-reduce", backward=False) <= 2 * cfg.model.qkv_share_every
+    assert _count(hlo, "all-gather") == 0
+
+
+def _tp_config():
+    cfg = small_config(qkv_share_every=2, num_kv_heads=8)
+    cfg.parallel.update(tensor=8, data=1)
+    return cfg
