@@ -7,14 +7,15 @@ from absl import app, flags
 
 from jaxllm.cli import CONFIG
 from jaxllm.config import ConfigError
+from jaxllm.parallel.distributed import initialize_from_environment
+from jaxllm.train.loop import train
 
 WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (default: runs/<config name>).")
 
 
 def main(argv) -> None:
     del argv
-    from jaxllm.train.loop import train
-
+    initialize_from_environment()
     workdir = WORKDIR.value or f"runs/{pathlib.Path(flags.FLAGS['config'].config_filename).stem}"
     try:
         train(CONFIG.value, workdir)
