@@ -121,6 +121,28 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _validate_pipeline(m: ml_collections.ConfigDict, p: ml_collections.ConfigDict, stage: int) -> None:
+    _require(p.stage != -1, "parallel.stage=-1: the stage count shapes the parameters, so set it explicitly")
+    _require(p.microbatches >= 1 and p.repeats >= 1, "parallel.microbatches and parallel.repeats must be >= 1")
+    if stage == 1:
+        _require(p.repeats == 1, f"parallel.repeats={p.repeats} needs a pipeline; set parallel.stage > 1 or repeats=1")
+        return
+    _require(
+        p.microbatches >= stage,
+        f"parallel.microbatches={p.microbatches} < parallel.stage={stage}: a pipeline needs at least one "
+        f"microbatch per stage; set microbatches >= {stage} (more shrink the bubble)",
+    )
+    groups = m.num_layers // m.qkv_share_every
+    if groups % (stage * p.repeats):
+        stages = [s for s in range(2, groups + 1) if groups % (s * p.repeats) == 0]
+        raise ConfigError(
+            f"model.num_layers={m.num_layers} make {groups} QKV groups, which do not split into "
+            f"parallel.stage={stage} × parallel.repeats={p.repeats}; stages fall on group boundaries, so "
+            f"with repeats={p.repeats} use stage in {stages or 'none'}, or a layer count that is a multiple "
+            f"of {stage * p.repeats * m.qkv_share_every}"
+        )
+
+
 def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[int, ...]:
     """Checks the whole config before any work; returns the resolved mesh shape."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -161,10 +183,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[int, ...
         m.hidden % fsdp == 0,
         f"model.hidden={m.hidden} is not divisible by parallel.fsdp={fsdp}; choose an fsdp size that divides it",
     )
-    _require(
-        stage == 1,
-        f"parallel.stage={stage}: pipeline parallelism is not available yet; set parallel.stage=1",
-    )
+    _validate_pipeline(m, p, stage)
     per_step = data * fsdp * t.grad_accum_steps * p.microbatches
     _require(
         t.batch_size % per_step == 0,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ml_collections
 
 from jaxllm.config import head_dim, num_kv_heads, padded_vocab
+from jaxllm.parallel.pipeline import schedule_of
 
 
 def param_counts(model: ml_collections.ConfigDict) -> dict[str, int]:
@@ -51,6 +52,11 @@ def summary(cfg: ml_collections.ConfigDict) -> str:
     lines.append(f"applied matmul params/token {applied_matmul_params(model):,}")
     lines.append(f"training FLOPs/token        {flops_per_token(model, seq):.4g} (seq {seq})")
     lines.append(f"training FLOPs/step         {flops_per_token(model, seq) * cfg.train.batch_size * seq:.4g}")
+    if (schedule := schedule_of(cfg)) is not None:
+        lines.append(
+            f"pipeline: {schedule.stages} stages × {schedule.repeats} repeats, {schedule.microbatches} microbatches, "
+            f"{schedule.iterations} iterations, bubble {schedule.bubble:.1%}"
+        )
     return "\n".join(lines)
 
 

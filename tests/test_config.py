@@ -44,7 +44,24 @@ CASES = {
     "remat": ({"model.remat": "everything"}, ["model.remat='everything'", "'selective'"]),
     "norm": ({"model.norm": "batchnorm"}, ["model.norm='batchnorm'", "rmsnorm"]),
     "activation": ({"model.mlp_activation": "relu"}, ["model.mlp_activation='relu'", "swiglu"]),
-    "pipeline not yet": ({"parallel.stage": 2, "parallel.data": 4}, ["parallel.stage=2", "set parallel.stage=1"]),
+    "microbatches < stages": (
+        {"parallel.stage": 2, "parallel.data": 4, "parallel.microbatches": 1},
+        ["parallel.microbatches=1 < parallel.stage=2", "microbatches >= 2"],
+    ),
+    "groups vs stages": (
+        {"parallel.stage": 4, "parallel.data": 2, "parallel.microbatches": 4, "parallel.repeats": 2},
+        ["make 2 QKV groups", "parallel.stage=4 × parallel.repeats=2", "multiple of 16"],
+    ),
+    "stages that work": (
+        {"model.num_layers": 20, "parallel.stage": 4, "parallel.data": 2, "parallel.microbatches": 4},
+        ["make 10 QKV groups", "use stage in [2, 5, 10]"],
+    ),
+    "batch vs microbatches": (
+        {"parallel.stage": 2, "parallel.data": 4, "parallel.microbatches": 8},
+        ["train.batch_size=16", "4*1*1*8=32"],
+    ),
+    "stage -1": ({"parallel.stage": -1, "parallel.data": 1}, ["parallel.stage=-1", "set it explicitly"]),
+    "repeats without pipeline": ({"parallel.repeats": 2}, ["parallel.repeats=2 needs a pipeline"]),
     "gqa ratio": ({"model.num_kv_heads": 3}, ["model.num_heads=8", "model.num_kv_heads=3"]),
 }
 
@@ -72,9 +89,8 @@ def test_valid_configs_resolve_their_mesh():
         validate(load_config(f"configs/{name}.py"), 8)
 
 
-def test_120b_layout_is_refused_only_for_the_missing_pipeline():
-    with pytest.raises(ConfigError, match="pipeline parallelism is not available"):
-        validate(load_config("configs/120b.py"), 64)
+def test_120b_layout_is_valid_on_64_devices():
+    assert validate(load_config("configs/120b.py"), 64) == (1, 2, 4, 8)
 
 
 def test_missing_config_file():

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from jaxllm.config import head_dim, num_kv_heads, padded_vocab
+from jaxllm.parallel.pipeline import Schedule
 
 Params = dict[str, Any]
 
@@ -36,15 +37,21 @@ def _norm(model: ml_collections.ConfigDict, lead: tuple[int, ...], lead_axes: tu
     return spec
 
 
-def param_specs(model: ml_collections.ConfigDict) -> dict[str, Any]:
-    """Nested dict of ParamSpec. Layer groups are stacked on a leading `layers` dim (scanned);
-    the layers of a group on a second `sublayers` dim. Each group owns one QKV projection."""
+def param_specs(model: ml_collections.ConfigDict, schedule: Schedule | None = None) -> dict[str, Any]:
+    """Nested dict of ParamSpec. Layer groups are stacked on a leading `layers` dim (scanned), or
+    with a pipeline `schedule` on [repeats, stage, layers] (the same values, reshaped); the layers of
+    a group on a further `sublayers` dim. Each group owns one QKV projection."""
     h, nh, kv, hd, mlp = model.hidden, model.num_heads, num_kv_heads(model), head_dim(model), model.mlp
     k = model.qkv_share_every
     g = model.num_layers // k
     std = model.init_std
     out_std = std / (2 * model.num_layers) ** 0.5  # scaled residual-branch init (GPT-2)
-    lg, la = (g, k), ("layers", "sublayers")
+    if schedule is None:
+        gs, ga = (g,), ("layers",)
+    else:
+        r, s = schedule.repeats, schedule.stages
+        gs, ga = (r, s, g // (r * s)), ("repeats", "stage", "layers")
+    lg, la = (*gs, k), (*ga, "sublayers")
 
     ffn = {
         "up": ParamSpec((*lg, h, mlp), (*la, "embed", "mlp"), std=std),
@@ -57,9 +64,9 @@ def param_specs(model: ml_collections.ConfigDict) -> dict[str, Any]:
         "embed": ParamSpec((padded_vocab(model), h), ("vocab", "embed"), std=std),
         "groups": {
             "qkv": {
-                "q": ParamSpec((g, h, nh, hd), ("layers", "embed", "heads", "head_dim"), std=std),
-                "k": ParamSpec((g, h, kv, hd), ("layers", "embed", "kv_heads", "head_dim"), std=std),
-                "v": ParamSpec((g, h, kv, hd), ("layers", "embed", "kv_heads", "head_dim"), std=std),
+                "q": ParamSpec((*gs, h, nh, hd), (*ga, "embed", "heads", "head_dim"), std=std),
+                "k": ParamSpec((*gs, h, kv, hd), (*ga, "embed", "kv_heads", "head_dim"), std=std),
+                "v": ParamSpec((*gs, h, kv, hd), (*ga, "embed", "kv_heads", "head_dim"), std=std),
             },
             "layers": {
                 "attn_norm": _norm(model, lg, la),
@@ -77,6 +84,11 @@ def param_specs(model: ml_collections.ConfigDict) -> dict[str, Any]:
 
 def is_spec(x: Any) -> bool:
     return isinstance(x, ParamSpec)
+
+
+def is_norm(path: tuple) -> bool:
+    """Norm scales and biases: no weight decay, and kept in fp32 for the norm's own arithmetic."""
+    return any("norm" in str(getattr(p, "key", "")) for p in path)
 
 
 def path_key(seed: int, path: tuple) -> jax.Array:

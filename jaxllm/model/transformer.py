@@ -19,6 +19,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import head_dim, padded_vocab
 from jaxllm.model import layers
+from jaxllm.model.params import is_norm, param_specs
+from jaxllm.parallel.collectives import all_reduce_sum, to_varying
+from jaxllm.parallel.pipeline import Schedule, pipeline_stack
 from jaxllm.parallel.rules import constrain, manual_spec
 
 # Activations that the 'selective', 'offload' and 'dots'-like policies keep instead of recomputing.
@@ -34,15 +37,17 @@ class Context(NamedTuple):
 
 def _tensor_parallel(fn: Callable, *in_specs) -> Callable:
     """Runs `fn` on each `tensor` shard and all-reduces its partial outputs. Built per trace, as
-    shard_map binds the mesh in context at its first call; without tensor parallelism `fn` runs as is."""
-    if jax.sharding.get_abstract_mesh().shape.get("tensor", 1) == 1:
-        return fn
+    shard_map binds the mesh in context at its first call. Inside a region already manual over
+    `tensor` (the pipeline) it needs no shard_map; without tensor parallelism `fn` runs as is."""
 
     def summed(x, *args):
-        # One explicit pcast: the backward pass then all-reduces x's summed cotangent once,
-        # instead of once per projection that reads x.
-        return jax.lax.psum(fn(jax.lax.pcast(x, "tensor", to="varying"), *args), "tensor")
+        return all_reduce_sum(fn(to_varying(x, "tensor"), *args), "tensor")
 
+    mesh = jax.sharding.get_abstract_mesh()
+    if "tensor" in mesh.manual_axes:
+        return summed
+    if mesh.shape.get("tensor", 1) == 1:
+        return fn
     return jax.shard_map(summed, in_specs=in_specs, out_specs=P(), axis_names={"tensor"})
 
 
@@ -134,14 +139,21 @@ def forward(
     model: ml_collections.ConfigDict,
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
+    schedule: Schedule | None = None,
 ) -> jax.Array:
-    """fp32 logits [batch, seq, padded_vocab]; padded vocab entries are masked to NEG_INF."""
+    """fp32 logits [batch, seq, padded_vocab]; padded vocab entries are masked to NEG_INF.
+    With a pipeline `schedule`, params hold the groups in its view (see `param_specs`)."""
     dt = jnp.dtype(model.dtype)
     ctx = make_context(model, tokens, segment_ids, positions)
     # Gather the table's FSDP shards first (as for any weight), then look up vocab-sharded rows.
     table = constrain(params["embed"], "vocab", None).astype(dt)
     x = constrain(jnp.take(table, tokens, axis=0), "batch", "seq", "act_embed")
-    x = decoder_stack(params["groups"], x, ctx, model)
+    if schedule is None:
+        x = decoder_stack(params["groups"], x, ctx, model)
+    else:  # cast before the pipeline's one FSDP gather, so it moves compute-dtype bytes
+        groups = jax.tree_util.tree_map_with_path(lambda p, a: a if is_norm(p) else a.astype(dt), params["groups"])
+        specs = param_specs(model, schedule)["groups"]
+        x = pipeline_stack(groups, specs, x, ctx, model, schedule, decoder_stack)
     x = layers.norm(x, params["final_norm"], model.norm, model.norm_eps)
     head = params["embed"].T if model.tie_embeddings else params["lm_head"]
     logits = jnp.einsum("bte,ev->btv", x, head.astype(dt), preferred_element_type=jnp.float32)

@@ -26,6 +26,7 @@ RULES: dict[str, MeshAxes] = {
     "mlp": "tensor",
     "head_dim": None,
     "layers": None,
+    "repeats": None,
     "sublayers": None,
     "stage": "stage",
 }
@@ -64,9 +65,9 @@ def logical_spec(
     return PartitionSpec(*out)
 
 
-def constrain(x: jax.Array, *names: str | None) -> jax.Array:
-    """Pins an activation's sharding by logical names (needs a mesh in context)."""
-    return jax.lax.with_sharding_constraint(x, logical_spec(names))
+def constrain(x: jax.Array, *names: str | None, rules: Mapping[str, MeshAxes] = RULES) -> jax.Array:
+    """Pins an array's sharding by logical names (needs a mesh in context)."""
+    return jax.lax.with_sharding_constraint(x, logical_spec(names, rules))
 
 
 def named_sharding(mesh: Mesh, names: Sequence[str | None], rules: Mapping[str, MeshAxes] = RULES) -> NamedSharding:

@@ -8,17 +8,22 @@ from absl import app, flags
 from jaxllm.cli import CONFIG
 from jaxllm.config import ConfigError
 from jaxllm.parallel.distributed import initialize_from_environment
+from jaxllm.train.dry_run import dry_run, ensure_fake_devices
 from jaxllm.train.loop import train
 
 WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (default: runs/<config name>).")
+DRY_RUN = flags.DEFINE_bool("dry-run", False, "Compile the train step on fake CPU devices for the mesh, report, exit.")
 
 
 def main(argv) -> None:
     del argv
-    initialize_from_environment()
-    workdir = WORKDIR.value or f"runs/{pathlib.Path(flags.FLAGS['config'].config_filename).stem}"
     try:
-        train(CONFIG.value, workdir)
+        if DRY_RUN.value:
+            ensure_fake_devices(CONFIG.value)
+            dry_run(CONFIG.value)
+            return
+        initialize_from_environment()
+        train(CONFIG.value, WORKDIR.value or f"runs/{pathlib.Path(flags.FLAGS['config'].config_filename).stem}")
     except ConfigError as e:
         sys.exit(f"config error: {e}")
 

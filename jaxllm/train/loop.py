@@ -17,6 +17,7 @@ from jaxllm.config import validate
 from jaxllm.data.stdlib_text import ByteTokenizer, random_windows, stdlib_tokens
 from jaxllm.model.generate import greedy_generate
 from jaxllm.parallel.mesh import describe, make_mesh
+from jaxllm.parallel.pipeline import schedule_of
 from jaxllm.train.metrics import MetricsWriter, memory_in_use, peak_flops
 from jaxllm.train.step import batch_sharding, compile_train_step, init_state
 
@@ -31,9 +32,11 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, progre
     validate(cfg, jax.device_count())
     mesh = make_mesh(cfg.parallel)
     t = cfg.train
-    print(cfg.to_json_best_effort(indent=2) if progress else "", flush=True)
+    if progress:
+        print(cfg.to_json_best_effort(indent=2))
     print(describe(mesh))
-    print(plan.summary(cfg))
+    print(plan.summary(cfg), flush=True)
+    schedule = schedule_of(cfg)
 
     tokenizer = ByteTokenizer()
     if tokenizer.vocab_size > cfg.model.vocab_size:
@@ -70,6 +73,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, progre
                     "tokens_per_s": t.batch_size * t.seq_len / step_time,
                     "mfu": flops_per_step / step_time / peak,
                 }
+                if schedule is not None:
+                    metrics["bubble"] = schedule.bubble
                 if (mem := memory_in_use()) is not None:
                     metrics["memory_bytes"] = mem
                 writer.write(step, metrics)

@@ -6,6 +6,8 @@ import jax
 import ml_collections
 import optax
 
+from jaxllm.model.params import is_norm
+
 
 def learning_rate(train: ml_collections.ConfigDict) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(
@@ -19,9 +21,7 @@ def learning_rate(train: ml_collections.ConfigDict) -> optax.Schedule:
 
 def _decays(params) -> dict:
     """Weight decay applies to matrices, not to norm scales and biases."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: not any("norm" in str(getattr(p, "key", "")) for p in path), params
-    )
+    return jax.tree_util.tree_map_with_path(lambda path, _: not is_norm(path), params)
 
 
 def make_optimizer(train: ml_collections.ConfigDict) -> optax.GradientTransformation:

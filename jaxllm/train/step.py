@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllm.model.params import ParamSpec, init_params, is_spec, param_specs
 from jaxllm.model.transformer import forward
+from jaxllm.parallel.pipeline import Schedule, schedule_of
 from jaxllm.parallel.rules import OPTIMIZER_RULES, RULES, logical_spec, tree_shardings
 from jaxllm.train.optim import learning_rate, make_optimizer
 
@@ -20,17 +21,21 @@ State = dict[str, Any]  # {'step', 'params', 'opt_state'}: plain arrays, ready f
 Batch = dict[str, jax.Array]  # 'inputs', 'targets', optional 'loss_mask', 'segment_ids', 'positions'
 
 
-def loss_sums(params: dict, batch: Batch, model: ml_collections.ConfigDict) -> tuple[jax.Array, jax.Array]:
+def loss_sums(
+    params: dict, batch: Batch, model: ml_collections.ConfigDict, schedule: Schedule | None = None
+) -> tuple[jax.Array, jax.Array]:
     """(sum of next-token cross-entropy over unmasked tokens, number of unmasked tokens), in fp32."""
-    logits = forward(params, batch["inputs"], model, batch.get("segment_ids"), batch.get("positions"))
+    logits = forward(params, batch["inputs"], model, batch.get("segment_ids"), batch.get("positions"), schedule)
     lse = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
     mask = batch.get("loss_mask", jnp.ones_like(batch["targets"])).astype(jnp.float32)
     return jnp.sum((lse - target_logit) * mask), jnp.sum(mask)
 
 
-def mean_loss(params: dict, batch: Batch, model: ml_collections.ConfigDict) -> jax.Array:
-    total, count = loss_sums(params, batch, model)
+def mean_loss(
+    params: dict, batch: Batch, model: ml_collections.ConfigDict, schedule: Schedule | None = None
+) -> jax.Array:
+    total, count = loss_sums(params, batch, model, schedule)
     return total / jnp.maximum(count, 1.0)
 
 
@@ -41,7 +46,7 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 def state_shardings(cfg: ml_collections.ConfigDict, mesh: Mesh) -> State:
     """Params follow the rules table; optimizer moments follow their params and, with
     `parallel.zero1`, are also split over `data` where the dim allows."""
-    specs = param_specs(cfg.model)
+    specs = param_specs(cfg.model, schedule_of(cfg))
     params = tree_shardings(specs, mesh)
     moments = tree_shardings(specs, mesh, OPTIMIZER_RULES if cfg.parallel.zero1 else RULES, fit=True)
     params_def = jax.tree.structure(params)
@@ -61,7 +66,7 @@ def _abstract(spec: ParamSpec) -> jax.ShapeDtypeStruct:
 
 def init_state(cfg: ml_collections.ConfigDict, mesh: Mesh) -> State:
     """Initialises params and optimizer state directly into their shardings."""
-    specs = param_specs(cfg.model)
+    specs = param_specs(cfg.model, schedule_of(cfg))
     optimizer = make_optimizer(cfg.train)
 
     def init() -> State:
@@ -85,7 +90,7 @@ def train_step(state: State, batch: Batch, cfg: ml_collections.ConfigDict, shard
 
     def accumulate(carry, micro):
         total, count, grads = carry
-        (loss, n), g = grad_fn(params, micro, model)
+        (loss, n), g = grad_fn(params, micro, model, schedule_of(cfg))
         grads = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grads, g), shardings["params"])
         return (total + loss, count + n, grads), None
 

@@ -1,0 +1,30 @@
+"""Collectives used inside `shard_map` regions.
+
+XLA's CPU backend (jax 0.10) aborts compiling bf16 all-reduces inside shard_map ("Invalid binary
+instruction opcode copy"), so on CPU the all-reduces below, and the ones JAX derives for their
+gradients, run in fp32. Accelerators reduce in the input's dtype, as Megatron does.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _reduce_in_fp32(x: jax.Array) -> bool:
+    return x.dtype == jnp.bfloat16 and jax.default_backend() == "cpu"
+
+
+def all_reduce_sum(x: jax.Array, axis: str) -> jax.Array:
+    """`psum` over a manual mesh axis."""
+    if _reduce_in_fp32(x):
+        return jax.lax.psum(x.astype(jnp.float32), axis).astype(x.dtype)
+    return jax.lax.psum(x, axis)
+
+
+def to_varying(x: jax.Array, axis: str) -> jax.Array:
+    """Marks a replicated value as per-device along `axis`; the backward pass all-reduces its
+    cotangent once here, instead of once per use."""
+    if _reduce_in_fp32(x):
+        return jax.lax.pcast(x.astype(jnp.float32), axis, to="varying").astype(x.dtype)
+    return jax.lax.pcast(x, axis, to="varying")
