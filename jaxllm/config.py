@@ -136,7 +136,7 @@ def _validate_pipeline(m: ml_collections.ConfigDict, p: ml_collections.ConfigDic
     if groups % (stage * p.repeats):
         stages = [s for s in range(2, groups + 1) if groups % (s * p.repeats) == 0]
         raise ConfigError(
-            f"model.num_layers={m.num_layers} make {groups} QKV groups, which do not split into "
+            f"model.num_layers={m.num_layers} gives {groups} QKV groups, which do not split into "
             f"parallel.stage={stage} × parallel.repeats={p.repeats}; stages fall on group boundaries, so "
             f"with repeats={p.repeats} use stage in {stages or 'none'}, or a layer count that is a multiple "
             f"of {stage * p.repeats * m.qkv_share_every}"

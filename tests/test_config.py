@@ -50,11 +50,11 @@ CASES = {
     ),
     "groups vs stages": (
         {"parallel.stage": 4, "parallel.data": 2, "parallel.microbatches": 4, "parallel.repeats": 2},
-        ["make 2 QKV groups", "parallel.stage=4 × parallel.repeats=2", "multiple of 16"],
+        ["gives 2 QKV groups", "parallel.stage=4 × parallel.repeats=2", "multiple of 16"],
     ),
     "stages that work": (
         {"model.num_layers": 20, "parallel.stage": 4, "parallel.data": 2, "parallel.microbatches": 4},
-        ["make 10 QKV groups", "use stage in [2, 5, 10]"],
+        ["gives 10 QKV groups", "use stage in [2, 5, 10]"],
     ),
     "batch vs microbatches": (
         {"parallel.stage": 2, "parallel.data": 4, "parallel.microbatches": 8},

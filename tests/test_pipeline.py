@@ -168,6 +168,7 @@ def test_pipeline_training_losses_match_no_pipeline(tmp_path):
             "--workdir",
             str(tmp_path / name),
             "--config.model.hidden=64",
+            "--config.model.qkv_share_every=2",
             "--config.model.mlp=192",
             "--config.train.steps=12",
             "--config.train.seq_len=32",

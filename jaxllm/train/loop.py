@@ -17,7 +17,7 @@ from jaxllm.config import validate
 from jaxllm.data.stdlib_text import ByteTokenizer, random_windows, stdlib_tokens
 from jaxllm.model.generate import greedy_generate
 from jaxllm.parallel.mesh import describe, make_mesh
-from jaxllm.parallel.pipeline import schedule_of
+from jaxllm.parallel.pipeline import canonical_view, schedule_of
 from jaxllm.train.metrics import MetricsWriter, memory_in_use, peak_flops
 from jaxllm.train.step import batch_sharding, compile_train_step, init_state
 
@@ -88,6 +88,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, progre
 
         prompt = tokenizer.encode(t.sample_prompt)
         length = min(len(prompt) + t.sample_tokens, cfg.model.max_seq_len)
-        sample = greedy_generate(state["params"], cfg.model, prompt, length)
+        params = state["params"]
+        if schedule is not None:  # generation runs the plain stack over the canonical group order
+            params = {**params, "groups": canonical_view(params["groups"])}
+        sample = greedy_generate(params, cfg.model, prompt, length)
     print("sample:", json.dumps(tokenizer.decode(sample)))
     return last
