@@ -61,8 +61,18 @@ def base_config() -> ml_collections.ConfigDict:
         log_every=10,
         sample_prompt="def ",
         sample_tokens=64,
+        sample_temperature=0.7,  # 0 = greedy
+        sample_top_k=40,
     )
-    cfg.data = dict(source="stdlib", max_bytes=8_000_000)
+    cfg.data = dict(
+        inputs="stdlib",  # comma-separated globs, 'stdlib', or pkg:PACKAGE/GLOB
+        tokenizer="bpe",  # 'gpt2', a path to a tokenizer.json, or 'bpe': train one on the inputs
+        bpe_vocab_size=4096,
+        dir="data/stdlib-bpe4096",  # holds tokens/ (prepared shards) and, for 'bpe', tokenizer/
+        val_fraction=0.02,
+        eval_every=50,
+        eval_batches=4,
+    )
     return cfg
 
 

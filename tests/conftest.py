@@ -37,3 +37,22 @@ def small_config(**model):
 @pytest.fixture
 def cfg():
     return small_config()
+
+
+def stdlib_glob(package: str) -> str:
+    """A small real corpus: one standard-library package's sources."""
+    import sysconfig
+
+    return f"{sysconfig.get_paths()['stdlib']}/{package}/*.py"
+
+
+def cli_data_flags(data_dir) -> list[str]:
+    """Train-CLI overrides that keep data preparation fast: a small corpus and a 512-token BPE."""
+    return [
+        f"--config.data.dir={data_dir}",
+        f"--config.data.inputs={stdlib_glob('email')},{stdlib_glob('json')}",
+        "--config.data.bpe_vocab_size=512",
+        "--config.model.vocab_size=512",
+        "--config.data.val_fraction=0.1",
+        "--config.data.eval_batches=2",
+    ]

@@ -11,7 +11,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import small_config
+from conftest import cli_data_flags, small_config
 from reference_model import reference_loss
 
 from jaxllm import plan
@@ -174,7 +174,7 @@ def test_pipeline_training_losses_match_no_pipeline(tmp_path):
             "--config.train.seq_len=32",
             "--config.train.log_every=4",
             "--config.train.sample_tokens=4",
-            "--config.data.max_bytes=200000",
+            *cli_data_flags(tmp_path / "data"),
             *layout,
         ]
         env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}

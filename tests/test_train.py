@@ -9,7 +9,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import small_config
+from conftest import cli_data_flags, small_config
 
 from jaxllm.config import REMAT_POLICIES
 from jaxllm.parallel.mesh import make_mesh
@@ -62,7 +62,7 @@ def test_remat_policies_give_the_same_gradients():
         )
 
 
-def _train_cli(workdir, *overrides):
+def _train_cli(workdir, *overrides, data_dir=None):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     cmd = [
         sys.executable,
@@ -79,7 +79,8 @@ def _train_cli(workdir, *overrides):
         "--config.train.seq_len=64",
         "--config.train.log_every=10",
         "--config.train.sample_tokens=16",
-        "--config.data.max_bytes=400000",
+        "--config.data.eval_every=20",
+        *cli_data_flags(data_dir or pathlib.Path(workdir) / "data"),
         *overrides,
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -91,11 +92,12 @@ def _train_cli(workdir, *overrides):
 
 @pytest.fixture(scope="module")
 def cli_run(tmp_path_factory):
-    return _train_cli(tmp_path_factory.mktemp("run"), "--config.parallel.tensor=2")
+    workdir = tmp_path_factory.mktemp("run")
+    return (*_train_cli(workdir, "--config.parallel.tensor=2"), workdir)
 
 
-def test_cli_trains_logs_and_samples(cli_run, tmp_path_factory):
-    out, metrics = cli_run
+def test_cli_trains_logs_and_samples(cli_run):
+    out, metrics, workdir = cli_run
     assert "mesh: data 4 × fsdp 1 × stage 1 × tensor 2 = 8 cpu devices" in out
     assert '"num_layers": 4' in out  # the resolved config, with overrides applied
     assert "sample:" in out
@@ -104,13 +106,19 @@ def test_cli_trains_logs_and_samples(cli_run, tmp_path_factory):
         assert {"step", "loss", "tokens_per_s", "mfu", "grad_norm", "lr"} <= m.keys()
         assert m["tokens_per_s"] > 0 and 0 < m["mfu"] < 1
     assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.3, "loss should clearly fall"
-    events = list((pathlib.Path(tmp_path_factory.getbasetemp()) / "run0" / "tensorboard").glob("events.out.tfevents.*"))
+    val = [m["val_loss"] for m in metrics if "val_loss" in m]
+    assert [m["step"] for m in metrics if "val_loss" in m] == [20, 40]
+    assert val[1] < val[0], "validation loss should fall"
+    assert "data: training a 512-token byte-level BPE" in out and "data: prepared" in out
+    events = list((workdir / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
 
 
 def test_cli_is_deterministic_across_layouts(cli_run, tmp_path):
-    """Same seed, another layout (fsdp instead of tensor): the same losses within fp32 tolerance."""
-    _, metrics = _train_cli(tmp_path, "--config.parallel.data=2", "--config.parallel.fsdp=4")
+    """Same seed and data, another layout (fsdp instead of tensor): the same losses within fp32 tolerance."""
+    _, metrics = _train_cli(
+        tmp_path, "--config.parallel.data=2", "--config.parallel.fsdp=4", data_dir=cli_run[2] / "data"
+    )
     np.testing.assert_allclose([m["loss"] for m in metrics], [m["loss"] for m in cli_run[1]], rtol=1e-4)
 
 

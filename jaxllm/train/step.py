@@ -112,6 +112,14 @@ def train_step(state: State, batch: Batch, cfg: ml_collections.ConfigDict, shard
     return new_state, metrics
 
 
+def compile_eval_step(cfg: ml_collections.ConfigDict, mesh: Mesh):
+    """(loss sum, token count) of a batch under the current params."""
+    return jax.jit(
+        partial(loss_sums, model=cfg.model, schedule=schedule_of(cfg)),
+        in_shardings=(state_shardings(cfg, mesh)["params"], batch_sharding(mesh)),
+    )
+
+
 def compile_train_step(cfg: ml_collections.ConfigDict, mesh: Mesh):
     """The jitted step with explicit in/out shardings; the old state is donated."""
     shardings = state_shardings(cfg, mesh)

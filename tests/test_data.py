@@ -1,0 +1,201 @@
+"""Tokenizers, prepare, and the grain loader, on real text and real tokenizers."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from conftest import small_config, stdlib_glob
+
+from jaxllm.config import ConfigError
+from jaxllm.data.corpus import CorpusError
+from jaxllm.data.dataset import prepare_data
+from jaxllm.data.loader import TokenWindows, pack, train_batches
+from jaxllm.data.prepare import prepare
+from jaxllm.data.tokenizer import get_tokenizer
+from jaxllm.model.params import init_params, param_specs
+from jaxllm.model.transformer import forward
+from jaxllm.parallel.mesh import make_mesh
+
+SAMPLES = [
+    "Hello world",
+    "  leading spaces\tand\ttabs\n\n",
+    "naïve café — 東京 🚀",
+    "def f(x):\n    return x ** 2\n",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Text files, a JSONL file, and a file that is not valid UTF-8; no two windows alike."""
+    root = tmp_path_factory.mktemp("corpus")
+    for i in range(12):
+        (root / f"doc{i}.txt").write_text(" ".join(f"The fox {i} jumps over dog {j}." for j in range(4 * i + 8)))
+    short = [f"record {i}: " + " ".join(f"item {i}.{j}" for j in range(i % 5 + 2)) for i in range(40)]
+    (root / "more.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in short))
+    (root / "latin1.txt").write_bytes(" ".join(f"caf\xe9 {j}" for j in range(40)).encode("latin-1"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def bpe(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bpe")
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxllm.data.tokenizer",
+        "train",
+        "--input",
+        str(corpus / "*"),
+        "--vocab-size",
+        "300",
+        "--out",
+        str(out),
+    ]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)  # the latin-1 file must not crash it
+    return get_tokenizer(out)
+
+
+@pytest.fixture(scope="module")
+def prepared(corpus, bpe, tmp_path_factory):
+    out = tmp_path_factory.mktemp("prepared") / "tokens"
+    meta = prepare([str(corpus / "*")], bpe.name, out, val_fraction=0.3, workers=2, progress=False)
+    return out, meta
+
+
+def test_gpt2_ids_and_round_trips():
+    tok = get_tokenizer("gpt2")
+    assert tok.encode("Hello world") == [15496, 995]
+    assert tok.vocab_size == 50257 and tok.eos_id == tok.bos_id == tok.pad_id == 50256
+    for text in SAMPLES + ["<|endoftext|> is plain text inside a document"]:
+        assert tok.decode(tok.encode(text)) == text
+
+
+def test_trained_bpe_round_trips_and_has_explicit_specials(bpe):
+    assert bpe.vocab_size == 300
+    assert bpe.decode([bpe.eos_id]) == "<|endoftext|>" and bpe.decode([bpe.pad_id]) == "<|pad|>"
+    for text in SAMPLES:
+        assert bpe.decode(bpe.encode(text)) == text
+
+
+def test_unknown_tokenizer_is_a_clear_error():
+    with pytest.raises(ValueError, match="use 'gpt2' or a path to a tokenizer.json"):
+        get_tokenizer("no/such/tokenizer")
+
+
+def test_prepare_counts_splits_and_is_idempotent(corpus, bpe, prepared):
+    out, meta = prepared
+    docs = {s: (out / f"{s}.docs").read_text().split() for s in ("train", "val")}
+    assert docs["train"] and docs["val"] and not set(docs["train"]) & set(docs["val"])
+    # Every document, counted independently: its tokens plus one end-of-text.
+    from jaxllm.data.corpus import read_documents, resolve_inputs
+
+    expected = {
+        key: len(bpe.encode(text)) + 1 for f in resolve_inputs([str(corpus / "*")]) for key, text in read_documents(f)
+    }
+    assert sorted(docs["train"] + docs["val"]) == sorted(expected)
+    for split in ("train", "val"):
+        assert meta["splits"][split]["tokens"] == sum(expected[k] for k in docs[split])
+        stream = np.fromfile(out / meta["splits"][split]["shards"][0]["file"], dtype=meta["dtype"])
+        assert (stream == bpe.eos_id).sum() == len(docs[split])
+    assert meta["tokenizer"]["fingerprint"] == bpe.fingerprint
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    assert prepare([str(corpus / "*")], bpe.name, out, val_fraction=0.3, progress=False) == meta
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+
+
+def test_loader_is_deterministic_and_resumes_bit_identically(prepared, bpe):
+    out, _ = prepared
+
+    def first(it, n):
+        return [next(it) for _ in range(n)]
+
+    a, b = (first(train_batches(out, 16, 4, seed=7, eos_id=bpe.eos_id), 6) for _ in range(2))
+    other = first(train_batches(out, 16, 4, seed=8, eos_id=bpe.eos_id), 6)
+    assert all(np.array_equal(x[k], y[k]) for x, y in zip(a, b, strict=True) for k in x)
+    assert not all(np.array_equal(x["inputs"], y["inputs"]) for x, y in zip(a, other, strict=True))
+
+    it = train_batches(out, 16, 4, seed=7, eos_id=bpe.eos_id)
+    first(it, 3)
+    state = json.loads(json.dumps(it.get_state()))  # small and serialisable
+    resumed = train_batches(out, 16, 4, seed=7, eos_id=bpe.eos_id)
+    resumed.set_state(state)
+    for x, y in zip(first(resumed, 3), a[3:], strict=True):
+        assert all(np.array_equal(x[k], y[k]) for k in x)
+
+
+def test_processes_read_disjoint_slices_that_cover_an_epoch(prepared, bpe):
+    out, _ = prepared
+    windows = TokenWindows(out, "train", 16)
+    per_process = len(windows) // 2
+    seen = []
+    for p in range(2):
+        it = train_batches(out, 16, 1, seed=3, eos_id=bpe.eos_id, process_index=p, process_count=2)
+        seen.append({tuple(np.append(next(it)["inputs"][0], -1)) for _ in range(per_process)})
+    everything = {tuple(np.append(windows[i][:-1], -1)) for i in range(len(windows))}
+    assert len(everything) == len(windows), "the corpus should have no two windows alike"
+    assert not seen[0] & seen[1]
+    assert seen[0] | seen[1] <= everything
+    assert len(seen[0] | seen[1]) == 2 * per_process >= len(windows) - 1  # an odd window out at most
+
+
+def test_packing_marks_documents():
+    eos = 9
+    window = np.array([5, 6, eos, 7, 8, 8, eos, 1, 2])
+    example = pack(window, eos)
+    np.testing.assert_array_equal(example["segment_ids"], [1, 1, 1, 2, 2, 2, 2, 3])
+    np.testing.assert_array_equal(example["positions"], [0, 1, 2, 0, 1, 2, 3, 0])
+    np.testing.assert_array_equal(example["loss_mask"], [1, 1, 0, 1, 1, 1, 0, 1])  # no target across documents
+
+
+def test_packed_batches_never_attend_across_documents(prepared, bpe):
+    """Logits of every document in a packed window equal the logits of that document run alone."""
+    out, _ = prepared
+    cfg = small_config(vocab_size=bpe.vocab_size)
+    windows = TokenWindows(out, "train", 64)
+    example = next(
+        e for e in map(lambda i: pack(windows[i], bpe.eos_id), range(len(windows))) if e["segment_ids"][-1] > 2
+    )
+    tokens, segments, positions = (example[k][None] for k in ("inputs", "segment_ids", "positions"))
+    params = init_params(param_specs(cfg.model), seed=0)
+    with jax.set_mesh(make_mesh(cfg.parallel, jax.devices()[:1])):
+        run = jax.jit(lambda p, t, s, q: forward(p, t, cfg.model, s, q))
+        packed = run(params, tokens, segments, positions)
+        for seg in set(segments[0]):
+            where = np.flatnonzero(segments[0] == seg)
+            alone = run(params, tokens[:, where], None, None)
+            np.testing.assert_allclose(packed[0, where], alone[0], rtol=1e-4, atol=1e-4)
+
+
+def test_bad_inputs_are_refused_before_training(tmp_path, corpus, prepared):
+    with pytest.raises(CorpusError, match="matches no files"):
+        prepare([str(tmp_path / "missing/*.txt")], "gpt2", tmp_path / "out", progress=False)
+    (tmp_path / "empty.txt").write_text("   \n")
+    with pytest.raises(CorpusError, match="contain no text documents"):
+        prepare([str(tmp_path / "empty.txt")], "gpt2", tmp_path / "out", progress=False)
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"txt": "no text field"}\n')
+    with pytest.raises(CorpusError, match=r"bad.jsonl:2: needs a string field 'text'"):
+        prepare([str(tmp_path / "bad.jsonl")], "gpt2", tmp_path / "out", progress=False)
+
+    cfg = small_config()
+    cfg.data.update(inputs=str(corpus / "*"), tokenizer="gpt2", dir=str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match=r"model.vocab_size=257 is smaller than the tokenizer's 50257 tokens"):
+        prepare_data(cfg)
+
+    out, _ = prepared  # made with the trained BPE; the config names gpt2
+    cfg.model.vocab_size = 50257
+    cfg.data.dir = str(out.parent)
+    with pytest.raises(ConfigError, match="was prepared with tokenizer .* but the config names 'gpt2'"):
+        prepare_data(cfg)
+
+
+def test_stdlib_corpus_leaves_out_installed_packages_and_tests():
+    from jaxllm.data.corpus import resolve_inputs
+
+    files = resolve_inputs(["stdlib"])
+    assert any(f.name == "topics.py" and f.parent.name == "pydoc_data" for f in files)  # the documentation
+    assert not any({"site-packages", "test", "tests"} & set(f.parts) for f in files)
+    assert set(resolve_inputs([stdlib_glob("json")])) <= set(files)
