@@ -65,13 +65,13 @@ def _is_axes(x) -> bool:
     return isinstance(x, tuple)
 
 
-def _split(a: jax.Array, m: int) -> jax.Array:
+def split_microbatches(a: jax.Array, m: int) -> jax.Array:
     """[B, ...] → [m, B/m, ...] taking every m-th row, so each device keeps its own rows."""
     return jnp.swapaxes(a.reshape(a.shape[0] // m, m, *a.shape[1:]), 0, 1)
 
 
 def _merge(a: jax.Array) -> jax.Array:
-    """Inverse of `_split`."""
+    """Inverse of `split_microbatches`."""
     return jnp.swapaxes(a, 0, 1).reshape(-1, *a.shape[2:])
 
 
@@ -92,8 +92,8 @@ def pipeline_stack(groups, specs, x: jax.Array, ctx, model: ml_collections.Confi
         lambda a, axes: constrain(jnp.swapaxes(a, 0, 1), *axes, rules=_GATHERED), groups, stage_major
     )
     weight_specs = jax.tree.map(lambda axes: manual_spec(*axes, manual_axes=MANUAL_AXES), stage_major, is_leaf=_is_axes)
-    micro = _split(x, m)
-    ctx_micro = jax.tree.map(partial(_split, m=m), ctx)
+    micro = split_microbatches(x, m)
+    ctx_micro = jax.tree.map(partial(split_microbatches, m=m), ctx)
     to_next_stage = [(j, (j + 1) % s) for j in range(s)]
 
     def one_stage(weights, micro, ctx_micro):

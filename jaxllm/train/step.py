@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllm.model.params import ParamSpec, init_params, is_spec, param_specs
 from jaxllm.model.transformer import forward
-from jaxllm.parallel.pipeline import Schedule, schedule_of
+from jaxllm.parallel.pipeline import Schedule, schedule_of, split_microbatches
 from jaxllm.parallel.rules import OPTIMIZER_RULES, RULES, logical_spec, tree_shardings
 from jaxllm.train.optim import learning_rate, make_optimizer
 
@@ -76,11 +76,6 @@ def init_state(cfg: ml_collections.ConfigDict, mesh: Mesh) -> State:
     return jax.jit(init, out_shardings=state_shardings(cfg, mesh))()
 
 
-def _split_microbatches(batch: Batch, n: int) -> Batch:
-    """[B, ...] → [n, B/n, ...] taking every n-th row, so each device keeps its own rows."""
-    return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1), batch)
-
-
 def train_step(state: State, batch: Batch, cfg: ml_collections.ConfigDict, shardings: State) -> tuple[State, dict]:
     """One optimizer step over `grad_accum_steps` sequential microbatches. The loss is the mean over
     all unmasked tokens of the whole batch, whatever the accumulation."""
@@ -96,7 +91,7 @@ def train_step(state: State, batch: Batch, cfg: ml_collections.ConfigDict, shard
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     (total, count, grads), _ = jax.lax.scan(
-        accumulate, (jnp.zeros(()), jnp.zeros(()), zeros), _split_microbatches(batch, accum)
+        accumulate, (jnp.zeros(()), jnp.zeros(()), zeros), jax.tree.map(partial(split_microbatches, m=accum), batch)
     )
     count = jnp.maximum(count, 1.0)
     grads = jax.tree.map(lambda g: g / count, grads)
