@@ -36,13 +36,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         bpe = str(train_bpe((t for f in files for _, t in read_documents(f)), cfg.data.bpe_vocab_size, tmp))
         rates = {}
-        for name in (bpe, "gpt2"):
+        for name, out in ((bpe, "bpe"), ("gpt2", "gpt2")):
             start = time.perf_counter()
-            prepare(["stdlib"], name, Path(tmp) / Path(name).name / "tokens", progress=False)
-            rates[get_tokenizer(name).name] = megabytes / (time.perf_counter() - start)
+            prepare(["stdlib"], name, Path(tmp) / out, progress=False)
+            rates[f"{out}, {get_tokenizer(name).vocab_size} tokens"] = megabytes / (time.perf_counter() - start)
 
         t = cfg.train
-        batches = train_batches(Path(tmp) / "tokenizer.json" / "tokens", t.seq_len, t.batch_size, 0, 0)
+        batches = train_batches(Path(tmp) / "bpe", t.seq_len, t.batch_size, 0, 0)
         next(batches)
         start, tokens = time.perf_counter(), 0
         while time.perf_counter() - start < 3:
@@ -54,7 +54,7 @@ def main() -> None:
     consumption = t.batch_size * t.seq_len / seconds
     print(f"stdlib corpus: {megabytes:.1f} MB of text, {len(files)} files")
     for name, rate in rates.items():
-        print(f"prepare ({Path(name).name:>14}): {rate:8.2f} MB/s")
+        print(f"prepare ({name:>18}): {rate:8.2f} MB/s")
     print(f"loader:                  {loader:12,.0f} tokens/s  (batches of {t.batch_size} × {t.seq_len})")
     print(f"tiny model training:     {consumption:12,.0f} tokens/s")
     print(f"loader / training:       {loader / consumption:12,.0f}x")
