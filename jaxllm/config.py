@@ -64,6 +64,19 @@ def base_config() -> ml_collections.ConfigDict:
         sample_temperature=0.7,  # 0 = greedy
         sample_top_k=40,
     )
+    cfg.checkpoint = dict(
+        every_steps=100,  # 0: not by steps
+        every_minutes=0.0,  # 0: not by time
+        keep=3,  # the last K
+        keep_every=0,  # and every M-th step for good (0: none)
+        async_save=True,
+        max_bad_steps=3,  # consecutive non-finite steps before restoring the last good checkpoint
+    )
+    cfg.debug = dict(  # fault injection, for tests
+        nan_at_steps=(0,),  # steps whose loss and gradients are made non-finite (0: none)
+        kill_at_step=0,  # SIGKILL this process after this step (0: never)
+        kill_during_save=False,  # ... right after starting that step's asynchronous save
+    )
     cfg.data = dict(
         inputs="stdlib",  # comma-separated globs, 'stdlib', or pkg:PACKAGE/GLOB
         tokenizer="bpe",  # 'gpt2', a path to a tokenizer.json, or 'bpe': train one on the inputs

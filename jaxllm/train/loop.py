@@ -1,4 +1,5 @@
-"""The training loop: validate, prepare data, build mesh and state, step, evaluate, log, sample."""
+"""The training loop: validate, prepare data, build or restore the state, step, evaluate, log,
+checkpoint, and stop cleanly on preemption."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from jaxllm.data.loader import eval_batches, train_batches
 from jaxllm.model.generate import generate
 from jaxllm.parallel.mesh import describe, make_mesh
 from jaxllm.parallel.pipeline import canonical_view, schedule_of
+from jaxllm.train.checkpoint import Checkpointer
+from jaxllm.train.faults import Preemption, heartbeat, kill_self
 from jaxllm.train.metrics import MetricsWriter, memory_in_use, peak_flops
 from jaxllm.train.step import batch_sharding, compile_eval_step, compile_train_step, init_state
 
@@ -35,11 +38,12 @@ def _own_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def train(cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, progress: bool = True) -> dict:
-    """Trains `cfg` and returns the last logged metrics. Writes `workdir/metrics.jsonl`."""
+    """Trains `cfg` in `workdir`, resuming from its latest valid checkpoint; returns the last
+    logged metrics. Writes `workdir/metrics.jsonl`, TensorBoard events and checkpoints."""
     validate(cfg, jax.device_count())
     mesh = make_mesh(cfg.parallel)
     schedule = schedule_of(cfg)
-    t = cfg.train
+    t, debug = cfg.train, cfg.debug
     if progress:
         print(cfg.to_json_best_effort(indent=2))
     print(describe(mesh))
@@ -62,9 +66,15 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, progre
     flops_per_step = plan.flops_per_token(cfg.model, t.seq_len) * t.batch_size * t.seq_len
     print(f"peak {peak / 1e12:.3f} TFLOP/s ({peak_source}); model {flops_per_step:.3e} FLOPs/step")
 
-    writer = MetricsWriter(workdir)
     with jax.set_mesh(mesh):
-        state = init_state(cfg, mesh)
+        checkpoints = Checkpointer(workdir, cfg, mesh)
+        restored = checkpoints.restore_latest()
+        if restored is None:
+            state, start = init_state(cfg, mesh), 0
+        else:
+            state, start = restored.state, restored.step
+            batches.set_state(restored.data_state)
+        writer = MetricsWriter(workdir, start_step=start)
         step_fn, eval_fn = compile_train_step(cfg, mesh), compile_eval_step(cfg, mesh)
         sharding = batch_sharding(mesh)
         val = [_global_batch(b, sharding) for b in val]
@@ -74,22 +84,50 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, progre
             loss = float(sum(s for s, _ in sums) / sum(n for _, n in sums))
             return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50.0))}
 
-        bar = tqdm(range(1, t.steps + 1), desc="train", disable=not progress, file=sys.stdout, dynamic_ncols=True)
-        last, latest_val, clock, clock_step = {}, {}, None, 0
+        preemption = Preemption()
+        bar = tqdm(
+            range(start + 1, t.steps + 1),
+            initial=start,
+            total=t.steps,
+            desc="train",
+            disable=not progress,
+            file=sys.stdout,
+            dynamic_ncols=True,
+        )
+        last, latest_val, bad_steps, skipped = {}, {}, 0, 0
+        clock, clock_step, saved_step = time.perf_counter(), start, start
         for step in bar:
             state, metrics = step_fn(state, _global_batch(next(batches), sharding))
+            heartbeat(step)
+            if int(metrics["skipped"]):
+                bad_steps, skipped = bad_steps + 1, skipped + 1
+                print(f"step {step}: non-finite loss or gradients, update skipped ({bad_steps} in a row)", flush=True)
+                if bad_steps >= cfg.checkpoint.max_bad_steps and (good := checkpoints.restore_latest()) is not None:
+                    print(f"step {step}: back to the params of step {good.step}; the batches since are skipped")
+                    state = {**good.state, "step": state["step"]}
+                    bad_steps = 0
+            else:
+                bad_steps = 0
+            if checkpoints.due(step) or step == t.steps:
+                checkpoints.save(step, state, batches.get_state())
+                saved_step = step
+                if debug.kill_during_save and step == debug.kill_at_step:
+                    kill_self()
+            if step == debug.kill_at_step:
+                kill_self()
+            stopping = preemption.reached(step)
+
             evaluating = step % cfg.data.eval_every == 0 or step == t.steps
-            if not evaluating and step % t.log_every and step != 1:
-                continue
-            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            now = time.perf_counter()
-            if clock is not None:  # the first step (compilation) starts the clock
-                step_time = (now - clock) / (step - clock_step)
-                metrics |= {
-                    "step_time_s": step_time,
-                    "tokens_per_s": t.batch_size * t.seq_len / step_time,
-                    "mfu": flops_per_step / step_time / peak,
-                }
+            if evaluating or step % t.log_every == 0 or stopping:
+                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()} | {"skipped_total": skipped}
+                now = time.perf_counter()
+                if clock_step > start:  # the first step after start-up also paid for compilation
+                    step_time = (now - clock) / (step - clock_step)
+                    metrics |= {
+                        "step_time_s": step_time,
+                        "tokens_per_s": t.batch_size * t.seq_len / step_time,
+                        "mfu": flops_per_step / step_time / peak,
+                    }
                 if schedule is not None:
                     metrics["bubble"] = schedule.bubble
                 if (mem := memory_in_use()) is not None:
@@ -102,12 +140,21 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, progre
                 bar.set_postfix(
                     loss=f"{metrics['loss']:.3f}",
                     val=f"{latest_val.get('val_loss', float('nan')):.3f}",
-                    tok_s=f"{metrics['tokens_per_s']:.0f}",
-                    mfu=f"{metrics['mfu']:.1%}",
+                    tok_s=f"{metrics.get('tokens_per_s', float('nan')):.0f}",
+                    mfu=f"{metrics.get('mfu', 0):.1%}",
                 )
-            clock, clock_step = time.perf_counter(), step  # evaluation time is not training time
+            if step == start + 1 or evaluating or step % t.log_every == 0:
+                clock, clock_step = time.perf_counter(), step  # compilation and evaluation are not training time
+            if stopping:
+                if saved_step != step:
+                    checkpoints.save(step, state, batches.get_state())
+                checkpoints.close()
+                print(f"preempted: checkpoint saved at step {step}; run the same command to resume")
+                return last
         bar.close()
+        preemption.close()
         writer.close()
+        checkpoints.close()
 
         prompt = data.tokenizer.encode(t.sample_prompt)
         length = min(len(prompt) + t.sample_tokens, cfg.model.max_seq_len)

@@ -15,12 +15,20 @@ PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 
 
 class MetricsWriter:
-    """One JSON object per logged step in `metrics.jsonl`, the same scalars as TensorBoard events."""
+    """One JSON object per logged step in `metrics.jsonl`, the same scalars as TensorBoard events.
+    Opening it for a run that resumes at `start_step` drops the lines after that step, so the file
+    always reads as one clean run."""
 
-    def __init__(self, workdir: str | pathlib.Path):
+    def __init__(self, workdir: str | pathlib.Path, start_step: int = 0):
         self.dir = pathlib.Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.dir / "metrics.jsonl", "a")
+        path = self.dir / "metrics.jsonl"
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines(keepends=True) if _step(line) <= start_step]
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(kept))
+            tmp.replace(path)
+        self._jsonl = open(path, "a")
         self._tb = SummaryWriter(str(self.dir / "tensorboard"))
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
@@ -32,6 +40,14 @@ class MetricsWriter:
     def close(self) -> None:
         self._jsonl.close()
         self._tb.close()
+
+
+def _step(line: str) -> float:
+    """The step of a metrics line; a line cut short by a killed process counts as after any step."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError):
+        return float("inf")
 
 
 def measure_matmul_peak(n: int = 1024, repeats: int = 10) -> float:

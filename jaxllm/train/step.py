@@ -95,14 +95,26 @@ def train_step(state: State, batch: Batch, cfg: ml_collections.ConfigDict, shard
     )
     count = jnp.maximum(count, 1.0)
     grads = jax.tree.map(lambda g: g / count, grads)
-    optimizer = make_optimizer(cfg.train)
-    updates, opt_state = optimizer.update(grads, state["opt_state"], params)
-    new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates), "opt_state": opt_state}
+    if any(cfg.debug.nan_at_steps):  # fault injection for tests
+        poisoned = jnp.isin(state["step"] + 1, jnp.asarray(cfg.debug.nan_at_steps))
+        total = jnp.where(poisoned, jnp.nan, total)
+        grads = jax.tree.map(lambda g: jnp.where(poisoned, jnp.nan, g), grads)
+    grad_norm = optax.tree.norm(grads)
+    # A non-finite loss or gradient skips the update: params and optimizer state stay as they were.
+    finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
+    updates, opt_state = make_optimizer(cfg.train).update(grads, state["opt_state"], params)
+    new_params, opt_state = jax.tree.map(
+        lambda new, old: jnp.where(finite, new, old),
+        (optax.apply_updates(params, updates), opt_state),
+        (params, state["opt_state"]),
+    )
+    new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}
     metrics = {
         "loss": total / count,
-        "grad_norm": optax.tree.norm(grads),
+        "grad_norm": grad_norm,
         "lr": learning_rate(cfg.train)(state["step"]),
         "tokens": count,
+        "skipped": 1 - finite.astype(jnp.int32),
     }
     return new_state, metrics
 

@@ -1,0 +1,229 @@
+"""Checkpoints: restore onto other layouts, bit-exact resume after SIGKILL, corrupt and
+incompatible checkpoints, preemption, non-finite steps."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from conftest import cli_data_flags, small_config
+
+from jaxllm.config import ConfigError
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.train.checkpoint import Checkpointer
+from jaxllm.train.step import batch_sharding, compile_train_step, init_state
+
+ROOT = pathlib.Path(__file__).parents[1]
+
+
+def _batch(cfg, i):
+    w = np.random.default_rng(i).integers(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len + 1))
+    return {"inputs": w[:, :-1].astype(np.int32), "targets": w[:, 1:].astype(np.int32)}
+
+
+def _config(**parallel):
+    cfg = small_config(num_layers=8, qkv_share_every=2)  # 4 groups
+    cfg.parallel.update(parallel)
+    return cfg
+
+
+def _steps(cfg, mesh, state, first, count):
+    losses = []
+    step = compile_train_step(cfg, mesh)
+    for i in range(first, first + count):
+        state, metrics = step(state, jax.device_put(_batch(cfg, i), batch_sharding(mesh)))
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+LAYOUTS = {
+    "fsdp4 tensor2": dict(fsdp=4, tensor=2),
+    "one device": dict(data=1),
+    "pipeline S2 data4": dict(stage=2, microbatches=2, data=4),
+    "pipeline S4 R1 data2": dict(stage=4, microbatches=4, data=2),
+}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """3 steps on data2×tensor4, a checkpoint, then 2 more steps as the reference."""
+    workdir = tmp_path_factory.mktemp("ckpt")
+    cfg = _config(data=2, tensor=4)
+    mesh = make_mesh(cfg.parallel)
+    with jax.set_mesh(mesh):
+        state, _ = _steps(cfg, mesh, init_state(cfg, mesh), 0, 3)
+        checkpoints = Checkpointer(workdir, cfg, mesh)
+        checkpoints.save(3, state, {"next_index": 3})
+        checkpoints.close()
+        _, after = _steps(cfg, mesh, state, 3, 2)
+    return workdir, after
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_restore_onto_another_layout_continues_the_same(saved, layout):
+    workdir, after = saved
+    cfg = _config(**layout)
+    devices = jax.devices()[:1] if layout == {"data": 1} else jax.devices()
+    mesh = make_mesh(cfg.parallel, devices)
+    with jax.set_mesh(mesh):
+        restored = Checkpointer(workdir, cfg, mesh).restore_latest()
+        assert restored.step == 3 and restored.data_state == {"next_index": 3}
+        _, losses = _steps(cfg, mesh, restored.state, 3, 2)
+    np.testing.assert_allclose(losses, after, rtol=1e-5)
+
+
+def test_pipeline_checkpoint_restores_without_pipeline(tmp_path):
+    pipelined, plain = _config(stage=2, microbatches=2, data=4), _config(data=8)
+    mesh = make_mesh(pipelined.parallel)
+    with jax.set_mesh(mesh):
+        state, _ = _steps(pipelined, mesh, init_state(pipelined, mesh), 0, 2)
+        Checkpointer(tmp_path, pipelined, mesh).save(2, state, {})
+        _, want = _steps(pipelined, mesh, state, 2, 2)
+    mesh = make_mesh(plain.parallel)
+    with jax.set_mesh(mesh):
+        restored = Checkpointer(tmp_path, plain, mesh).restore_latest()
+        _, got = _steps(plain, mesh, restored.state, 2, 2)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_corrupt_latest_checkpoint_is_reported_and_passed_over(tmp_path, capsys):
+    cfg = _config(data=8)
+    mesh = make_mesh(cfg.parallel)
+    with jax.set_mesh(mesh):
+        state = init_state(cfg, mesh)
+        checkpoints = Checkpointer(tmp_path, cfg, mesh)
+        checkpoints.save(2, state, {"next_index": 2})
+        checkpoints.save(4, state, {"next_index": 4})
+        checkpoints.close()
+        for f in (tmp_path / "checkpoints" / "4" / "state").rglob("*"):
+            if f.is_file() and f.stat().st_size > 1000:
+                f.write_bytes(b"\0" * 16)  # an unreadable array
+        restored = Checkpointer(tmp_path, cfg, mesh).restore_latest()
+    assert restored.step == 2
+    assert "checkpoint: step 4 is unreadable" in capsys.readouterr().out
+
+
+def test_incompatible_model_is_a_clear_error(saved):
+    workdir, _ = saved
+    cfg = _config(data=8)
+    cfg.model.hidden = 128
+    mesh = make_mesh(cfg.parallel)
+    with jax.set_mesh(mesh), pytest.raises(ConfigError, match=r"another model shape .*'hidden': \(64, 128\)"):
+        Checkpointer(workdir, cfg, mesh).restore_latest()
+
+
+def _cli(workdir, *overrides, check=True):
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxllm.train",
+        "--config",
+        "configs/tiny.py",
+        "--workdir",
+        str(workdir),
+        "--config.model.num_layers=4",
+        "--config.model.hidden=64",
+        "--config.model.mlp=192",
+        "--config.train.steps=12",
+        "--config.train.seq_len=32",
+        "--config.train.log_every=2",
+        "--config.train.sample_tokens=4",
+        "--config.data.eval_every=6",
+        "--config.checkpoint.every_steps=4",
+        "--config.parallel.data=8",
+        *cli_data_flags(workdir.parent / "data"),
+        *overrides,
+    ]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _losses(workdir):
+    return [(m["step"], m["loss"]) for m in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())]
+
+
+def _final_params(workdir, step):
+    manager = ocp.CheckpointManager(workdir / "checkpoints", item_names=("state",))
+    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+    return jax.tree.map(np.asarray, state["params"])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("cli") / "full"
+    _cli(workdir)
+    return workdir
+
+
+KILLS = {
+    "before the first checkpoint": ["--config.debug.kill_at_step=3"],
+    "between checkpoints": ["--config.debug.kill_at_step=6"],
+    "during an async save": ["--config.debug.kill_at_step=8", "--config.debug.kill_during_save=True"],
+}
+
+
+@pytest.mark.parametrize("kill", KILLS.values(), ids=KILLS.keys())
+def test_sigkill_and_resume_is_bit_identical(uninterrupted, kill):
+    workdir = uninterrupted.parent / ("killed" + kill[0].split("=")[-1])
+    proc = _cli(workdir, *kill, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    resumed = _cli(workdir)
+    assert ("checkpoint: restored step" in resumed.stdout) == (kill != KILLS["before the first checkpoint"])
+    assert _losses(workdir) == _losses(uninterrupted)  # bit-identical, and cut back to one clean run
+    jax.tree.map(np.testing.assert_array_equal, _final_params(workdir, 12), _final_params(uninterrupted, 12))
+
+
+def test_sigterm_saves_and_exits_cleanly(uninterrupted):
+    workdir = uninterrupted.parent / "preempted"
+    args = ["--config.train.steps=400", "--config.checkpoint.every_steps=1000"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxllm.train",
+        "--config",
+        "configs/tiny.py",
+        "--workdir",
+        str(workdir),
+        "--config.model.num_layers=4",
+        "--config.model.hidden=64",
+        "--config.model.mlp=192",
+        "--config.train.seq_len=32",
+        "--config.train.log_every=2",
+        "--config.parallel.data=8",
+        *cli_data_flags(workdir.parent / "data"),
+        *args,
+    ]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (workdir / "metrics.jsonl").exists() or not (workdir / "metrics.jsonl").read_text():
+        assert time.time() < deadline and proc.poll() is None, "training never logged a step"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    step = int(out.split("preempted: checkpoint saved at step ")[1].split(";")[0])
+    assert (workdir / "checkpoints" / str(step)).is_dir()
+    resumed = _cli(workdir, f"--config.train.steps={step + 2}")
+    assert f"checkpoint: restored step {step}" in resumed.stdout
+    assert _losses(workdir)[-1][0] == step + 2
+
+
+def test_non_finite_steps_are_skipped_then_rolled_back(uninterrupted):
+    workdir = uninterrupted.parent / "nan"
+    proc = _cli(workdir, "--config.debug.nan_at_steps=(3,6,7)", "--config.checkpoint.max_bad_steps=2")
+    out = proc.stdout
+    assert "step 3: non-finite loss or gradients, update skipped (1 in a row)" in out
+    assert "step 7: back to the params of step 4; the batches since are skipped" in out
+    metrics = {m["step"]: m for m in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())}
+    assert metrics[12]["skipped_total"] == 3 and np.isfinite(metrics[12]["loss"])
