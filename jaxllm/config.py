@@ -74,7 +74,7 @@ def base_config() -> ml_collections.ConfigDict:
     )
     cfg.debug = dict(  # fault injection, for tests
         nan_at_steps=(0,),  # steps whose loss and gradients are made non-finite (0: none)
-        kill_at_step=0,  # SIGKILL this process after this step (0: never)
+        kill_at_step=0,  # SIGKILL this process after this step, once earlier saves have landed (0: never)
         kill_during_save=False,  # ... right after starting that step's asynchronous save
     )
     cfg.data = dict(

@@ -3,7 +3,7 @@
 import pathlib
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from jaxllm.cli import CONFIG
 from jaxllm.config import ConfigError
@@ -17,6 +17,7 @@ DRY_RUN = flags.DEFINE_bool("dry-run", False, "Compile the train step on fake CP
 
 def main(argv) -> None:
     del argv
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every save step at INFO
     try:
         if DRY_RUN.value:
             ensure_fake_devices(CONFIG.value)

@@ -72,6 +72,16 @@ def _model_fields(cfg: ml_collections.ConfigDict) -> dict:
     return {k: cfg.model[k] for k in keep}
 
 
+def saved_config(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
+    """The config stored with the latest checkpoint of `workdir`."""
+    manager = ocp.CheckpointManager(pathlib.Path(workdir).absolute() / "checkpoints", item_names=("meta",))
+    step = manager.latest_step()
+    if step is None:
+        raise ConfigError(f"{workdir} has no checkpoints; pass the --workdir of a training run")
+    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    return ml_collections.ConfigDict(meta["config"])
+
+
 @dataclasses.dataclass
 class Restored:
     state: State

@@ -90,9 +90,10 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, progre
             initial=start,
             total=t.steps,
             desc="train",
-            disable=not progress,
+            disable=not progress or jax.process_index() != 0,
             file=sys.stdout,
             dynamic_ncols=True,
+            mininterval=1.0,
         )
         last, latest_val, bad_steps, skipped = {}, {}, 0, 0
         clock, clock_step, saved_step = time.perf_counter(), start, start
@@ -114,6 +115,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, progre
                 if debug.kill_during_save and step == debug.kill_at_step:
                     kill_self()
             if step == debug.kill_at_step:
+                checkpoints.wait()  # "between checkpoints": the earlier saves have landed
                 kill_self()
             stopping = preemption.reached(step)
 
@@ -164,5 +166,6 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, progre
         sample = generate(
             params, cfg.model, prompt, length, temperature=t.sample_temperature, top_k=t.sample_top_k, seed=t.seed
         )
-    print("sample:", json.dumps(data.tokenizer.decode(sample)))
+    if jax.process_index() == 0:
+        print("sample:", json.dumps(data.tokenizer.decode(sample)))
     return last

@@ -17,9 +17,12 @@ PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 class MetricsWriter:
     """One JSON object per logged step in `metrics.jsonl`, the same scalars as TensorBoard events.
     Opening it for a run that resumes at `start_step` drops the lines after that step, so the file
-    always reads as one clean run."""
+    always reads as one clean run. Only JAX process 0 writes; on the others it does nothing."""
 
     def __init__(self, workdir: str | pathlib.Path, start_step: int = 0):
+        self.enabled = jax.process_index() == 0
+        if not self.enabled:
+            return
         self.dir = pathlib.Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / "metrics.jsonl"
@@ -32,12 +35,16 @@ class MetricsWriter:
         self._tb = SummaryWriter(str(self.dir / "tensorboard"))
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
         self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         self._jsonl.flush()
         for name, value in metrics.items():
             self._tb.add_scalar(name, value, step)
 
     def close(self) -> None:
+        if not self.enabled:
+            return
         self._jsonl.close()
         self._tb.close()
 

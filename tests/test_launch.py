@@ -1,0 +1,143 @@
+"""Multi-process training under the launcher (gloo collectives between local processes), worker
+failures and hangs, and export."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import psutil
+import pytest
+from conftest import cli_data_flags
+
+from jaxllm.export import load_exported
+
+ROOT = pathlib.Path(__file__).parents[1]
+
+
+def _train_command(workdir, steps=12):
+    return [
+        sys.executable,
+        "-m",
+        "jaxllm.train",
+        "--config",
+        "configs/tiny.py",
+        "--workdir",
+        str(workdir),
+        "--config.model.num_layers=4",
+        "--config.model.hidden=64",
+        "--config.model.mlp=192",
+        f"--config.train.steps={steps}",
+        "--config.train.seq_len=32",
+        "--config.train.log_every=2",
+        "--config.train.sample_tokens=4",
+        "--config.data.eval_every=6",
+        "--config.checkpoint.every_steps=4",
+        "--config.parallel.data=4",
+        "--config.parallel.fsdp=2",
+        *cli_data_flags(workdir.parent / "data"),
+    ]
+
+
+def _launch(workdir, *launcher_args, steps=12):
+    return [
+        sys.executable,
+        "-m",
+        "jaxllm.launch",
+        "--nproc",
+        "2",
+        "--backoff",
+        "1",
+        *launcher_args,
+        "--",
+        *_train_command(workdir, steps),
+    ]
+
+
+def _env(devices):
+    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+
+
+def _losses(workdir):
+    return [(m["step"], m["loss"]) for m in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same training as 1 process × 8 devices and as 2 processes × 4 devices."""
+    root = tmp_path_factory.mktemp("launch")
+    single, multi = root / "single", root / "multi"
+    subprocess.run(_train_command(single), cwd=ROOT, env=_env(8), check=True, capture_output=True, timeout=600)
+    proc = subprocess.run(_launch(multi), cwd=ROOT, env=_env(4), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "launch: all 2 processes finished" in proc.stdout
+    return single, multi
+
+
+def test_two_processes_match_one(runs):
+    single, multi = runs
+    got, want = _losses(multi), _losses(single)
+    assert [s for s, _ in got] == [s for s, _ in want] == list(range(2, 13, 2))
+    np.testing.assert_allclose([loss for _, loss in got], [loss for _, loss in want], rtol=1e-5)
+
+
+def _run_and_disturb(workdir, disturb, *launcher_args):
+    """Starts a 2-process launch, waits for its first logged step, disturbs one worker."""
+    launcher = subprocess.Popen(
+        _launch(workdir, *launcher_args, steps=40),
+        cwd=ROOT,
+        env=_env(4),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.time() + 300
+    while not (workdir / "metrics.jsonl").exists() or not (workdir / "metrics.jsonl").read_text():
+        assert time.time() < deadline and launcher.poll() is None, "the first attempt never logged a step"
+        time.sleep(0.2)
+    workers = [p for p in psutil.Process(launcher.pid).children() if "jaxllm.train" in " ".join(p.cmdline())]
+    assert len(workers) == 2
+    os.kill(workers[1].pid, disturb)
+    disturbed_at = time.time()
+    out, _ = launcher.communicate(timeout=600)
+    return launcher.returncode, out, disturbed_at
+
+
+def test_killed_worker_restarts_the_group_and_finishes_the_same(runs, tmp_path):
+    code, out, _ = _run_and_disturb(tmp_path / "killed", signal.SIGKILL)
+    assert code == 0, out[-3000:]
+    assert "launch: attempt 1 failed: process 1 exited with code -9" in out
+    assert "launch: all 2 processes finished" in out
+    reference = tmp_path / "reference"
+    subprocess.run(_launch(reference, steps=40), cwd=ROOT, env=_env(4), check=True, capture_output=True, timeout=600)
+    assert _losses(tmp_path / "killed")[-1] == _losses(reference)[-1]
+
+
+def test_hung_worker_is_detected_within_the_timeout(tmp_path):
+    code, out, stopped_at = _run_and_disturb(tmp_path / "hung", signal.SIGSTOP, "--heartbeat-timeout", "15")
+    assert code == 0, out[-3000:]
+    assert "launch: attempt 1 failed: process 1 made no progress for" in out and "hung" in out
+    assert "launch: all 2 processes finished" in out
+
+
+def test_export_writes_params_for_serving(runs, tmp_path):
+    single, _ = runs
+    subprocess.run(
+        [sys.executable, "-m", "jaxllm.export", "--workdir", str(single), "--out", str(tmp_path / "export")],
+        cwd=ROOT,
+        env=_env(8),
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    cfg, params = load_exported(tmp_path / "export")
+    assert cfg.model.hidden == 64 and "opt_state" not in params
+    manager = ocp.CheckpointManager(single / "checkpoints", item_names=("state",))
+    state = manager.restore(12, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+    jax.tree.map(np.testing.assert_array_equal, params, jax.tree.map(np.asarray, state["params"]))
