@@ -4,6 +4,7 @@ failures and hangs, and export."""
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -104,13 +105,12 @@ def _run_and_disturb(workdir, disturb, *launcher_args):
     workers = [p for p in psutil.Process(launcher.pid).children() if "jaxllm.train" in " ".join(p.cmdline())]
     assert len(workers) == 2
     os.kill(workers[1].pid, disturb)
-    disturbed_at = time.time()
     out, _ = launcher.communicate(timeout=600)
-    return launcher.returncode, out, disturbed_at
+    return launcher.returncode, out
 
 
 def test_killed_worker_restarts_the_group_and_finishes_the_same(runs, tmp_path):
-    code, out, _ = _run_and_disturb(tmp_path / "killed", signal.SIGKILL)
+    code, out = _run_and_disturb(tmp_path / "killed", signal.SIGKILL)
     assert code == 0, out[-3000:]
     assert "launch: attempt 1 failed: process 1 exited with code -9" in out
     assert "launch: all 2 processes finished" in out
@@ -120,9 +120,12 @@ def test_killed_worker_restarts_the_group_and_finishes_the_same(runs, tmp_path):
 
 
 def test_hung_worker_is_detected_within_the_timeout(tmp_path):
-    code, out, stopped_at = _run_and_disturb(tmp_path / "hung", signal.SIGSTOP, "--heartbeat-timeout", "15")
+    code, out = _run_and_disturb(tmp_path / "hung", signal.SIGSTOP, "--heartbeat-timeout", "15")
     assert code == 0, out[-3000:]
-    assert "launch: attempt 1 failed: process 1 made no progress for" in out and "hung" in out
+    # The stopped worker, or its partner blocked in a collective: whichever the launcher sees first.
+    failure = re.search(r"launch: attempt 1 failed: (.*)", out).group(1)  # a progress bar may share the line
+    assert "made no progress for" in failure and failure.endswith("hung")
+    assert int(failure.split("no progress for ")[1].split(" s")[0]) < 15 + 5
     assert "launch: all 2 processes finished" in out
 
 
