@@ -22,7 +22,7 @@ from jaxllm.export import load_exported
 ROOT = pathlib.Path(__file__).parents[1]
 
 
-def _train_command(workdir, steps=12):
+def _train_command(workdir):
     return [
         sys.executable,
         "-m",
@@ -34,7 +34,7 @@ def _train_command(workdir, steps=12):
         "--config.model.num_layers=4",
         "--config.model.hidden=64",
         "--config.model.mlp=192",
-        f"--config.train.steps={steps}",
+        "--config.train.steps=12",
         "--config.train.seq_len=32",
         "--config.train.log_every=2",
         "--config.train.sample_tokens=4",
@@ -46,7 +46,7 @@ def _train_command(workdir, steps=12):
     ]
 
 
-def _launch(workdir, *launcher_args, steps=12):
+def _launch(workdir, *launcher_args):
     return [
         sys.executable,
         "-m",
@@ -57,7 +57,7 @@ def _launch(workdir, *launcher_args, steps=12):
         "1",
         *launcher_args,
         "--",
-        *_train_command(workdir, steps),
+        *_train_command(workdir),
     ]
 
 
@@ -91,7 +91,7 @@ def test_two_processes_match_one(runs):
 def _run_and_disturb(workdir, disturb, *launcher_args):
     """Starts a 2-process launch, waits for its first logged step, disturbs one worker."""
     launcher = subprocess.Popen(
-        _launch(workdir, *launcher_args, steps=40),
+        _launch(workdir, *launcher_args),
         cwd=ROOT,
         env=_env(4),
         stdout=subprocess.PIPE,
@@ -114,9 +114,7 @@ def test_killed_worker_restarts_the_group_and_finishes_the_same(runs, tmp_path):
     assert code == 0, out[-3000:]
     assert "launch: attempt 1 failed: process 1 exited with code -9" in out
     assert "launch: all 2 processes finished" in out
-    reference = tmp_path / "reference"
-    subprocess.run(_launch(reference, steps=40), cwd=ROOT, env=_env(4), check=True, capture_output=True, timeout=600)
-    assert _losses(tmp_path / "killed")[-1] == _losses(reference)[-1]
+    assert _losses(tmp_path / "killed") == _losses(runs[1])  # as the uninterrupted 2-process run
 
 
 def test_hung_worker_is_detected_within_the_timeout(tmp_path):
