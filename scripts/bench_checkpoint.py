@@ -23,7 +23,7 @@ def main() -> None:
     parser.add_argument("--dir", default="/tmp/jaxllm-bench-ckpt")
     args = parser.parse_args()
     cfg = base_config()
-    cfg.model.update(num_layers=16, hidden=1024, num_heads=16, mlp=2816, vocab_size=32000, dtype="float32")
+    cfg.model.update(num_layers=8, hidden=1024, num_heads=16, mlp=2816, vocab_size=16000, dtype="float32")
     cfg.parallel.data = 1
     mesh = make_mesh(cfg.parallel, jax.devices()[:1])
     shutil.rmtree(args.dir, ignore_errors=True)
