@@ -1,6 +1,11 @@
 """8 fake CPU devices for every test; the XLA flag must be set before jax is imported."""
 
+import json
 import os
+import pathlib
+import subprocess
+import sys
+import time
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
@@ -8,6 +13,8 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from jaxllm.config import base_config  # noqa: E402
+
+ROOT = pathlib.Path(__file__).parents[1]
 
 jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxllm-tests-xla"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -56,3 +63,51 @@ def cli_data_flags(data_dir) -> list[str]:
         "--config.data.val_fraction=0.1",
         "--config.data.eval_batches=2",
     ]
+
+
+def train_command(workdir, *overrides, data_dir=None) -> list[str]:
+    """`python -m jaxllm.train` on the tiny config shrunk to seconds a run; later flags win."""
+    workdir = pathlib.Path(workdir)
+    return [
+        sys.executable, "-m", "jaxllm.train", "--config", "configs/tiny.py", "--workdir", str(workdir),
+        "--config.model.num_layers=4", "--config.model.hidden=64", "--config.model.mlp=192",
+        "--config.train.steps=12", "--config.train.seq_len=32", "--config.train.log_every=2",
+        "--config.train.sample_tokens=4", "--config.data.eval_every=6",
+        *cli_data_flags(data_dir or workdir.parent / "data"), *overrides,
+    ]  # fmt: skip
+
+
+def device_env(devices: int = 8) -> dict[str, str]:
+    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+
+
+def run(command: list[str], devices: int = 8, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(command, cwd=ROOT, env=device_env(devices), capture_output=True, text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+def start_until_first_step(command: list[str], workdir, devices: int = 8, **popen) -> subprocess.Popen:
+    """Starts a training command and returns once it has logged its first step."""
+    proc = subprocess.Popen(command, cwd=ROOT, env=device_env(devices), text=True, **popen)
+    path = pathlib.Path(workdir) / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not path.exists() or not path.read_text():
+        assert time.time() < deadline and proc.poll() is None, "training never logged a step"
+        time.sleep(0.2)
+    return proc
+
+
+def checkpoint_params(workdir, step: int) -> dict:
+    """The params of a run's checkpoint, read with Orbax as saved (numpy arrays)."""
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    manager = ocp.CheckpointManager(pathlib.Path(workdir) / "checkpoints", item_names=("state",))
+    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+    return jax.tree.map(np.asarray, state["params"])
+
+
+def metrics(workdir) -> list[dict]:
+    return [json.loads(line) for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]

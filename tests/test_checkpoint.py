@@ -1,26 +1,18 @@
 """Checkpoints: restore onto other layouts, bit-exact resume after SIGKILL, corrupt and
 incompatible checkpoints, preemption, non-finite steps."""
 
-import json
-import os
-import pathlib
 import signal
 import subprocess
-import sys
-import time
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
-from conftest import cli_data_flags, small_config
+from conftest import checkpoint_params, metrics, run, small_config, start_until_first_step, train_command
 
 from jaxllm.config import ConfigError
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.train.checkpoint import Checkpointer
 from jaxllm.train.step import batch_sharding, compile_train_step, init_state
-
-ROOT = pathlib.Path(__file__).parents[1]
 
 
 def _batch(cfg, i):
@@ -120,42 +112,13 @@ def test_incompatible_model_is_a_clear_error(saved):
 
 
 def _cli(workdir, *overrides, check=True):
-    cmd = [
-        sys.executable,
-        "-m",
-        "jaxllm.train",
-        "--config",
-        "configs/tiny.py",
-        "--workdir",
-        str(workdir),
-        "--config.model.num_layers=4",
-        "--config.model.hidden=64",
-        "--config.model.mlp=192",
-        "--config.train.steps=12",
-        "--config.train.seq_len=32",
-        "--config.train.log_every=2",
-        "--config.train.sample_tokens=4",
-        "--config.data.eval_every=6",
-        "--config.checkpoint.every_steps=4",
-        "--config.parallel.data=8",
-        *cli_data_flags(workdir.parent / "data"),
-        *overrides,
-    ]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+    return run(
+        train_command(workdir, "--config.checkpoint.every_steps=4", "--config.parallel.data=8", *overrides), check=check
+    )
 
 
 def _losses(workdir):
-    return [(m["step"], m["loss"]) for m in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())]
-
-
-def _final_params(workdir, step):
-    manager = ocp.CheckpointManager(workdir / "checkpoints", item_names=("state",))
-    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
-    return jax.tree.map(np.asarray, state["params"])
+    return [(m["step"], m["loss"]) for m in metrics(workdir)]
 
 
 @pytest.fixture(scope="module")
@@ -180,35 +143,13 @@ def test_sigkill_and_resume_is_bit_identical(uninterrupted, kill):
     resumed = _cli(workdir)
     assert ("checkpoint: restored step" in resumed.stdout) == (kill != KILLS["before the first checkpoint"])
     assert _losses(workdir) == _losses(uninterrupted)  # bit-identical, and cut back to one clean run
-    jax.tree.map(np.testing.assert_array_equal, _final_params(workdir, 12), _final_params(uninterrupted, 12))
+    jax.tree.map(np.testing.assert_array_equal, checkpoint_params(workdir, 12), checkpoint_params(uninterrupted, 12))
 
 
 def test_sigterm_saves_and_exits_cleanly(uninterrupted):
     workdir = uninterrupted.parent / "preempted"
-    args = ["--config.train.steps=400", "--config.checkpoint.every_steps=1000"]
-    cmd = [
-        sys.executable,
-        "-m",
-        "jaxllm.train",
-        "--config",
-        "configs/tiny.py",
-        "--workdir",
-        str(workdir),
-        "--config.model.num_layers=4",
-        "--config.model.hidden=64",
-        "--config.model.mlp=192",
-        "--config.train.seq_len=32",
-        "--config.train.log_every=2",
-        "--config.parallel.data=8",
-        *cli_data_flags(workdir.parent / "data"),
-        *args,
-    ]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while not (workdir / "metrics.jsonl").exists() or not (workdir / "metrics.jsonl").read_text():
-        assert time.time() < deadline and proc.poll() is None, "training never logged a step"
-        time.sleep(0.2)
+    command = train_command(workdir, "--config.train.steps=400", "--config.checkpoint.every_steps=1000")
+    proc = start_until_first_step(command, workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-2000:]
@@ -225,5 +166,5 @@ def test_non_finite_steps_are_skipped_then_rolled_back(uninterrupted):
     out = proc.stdout
     assert "step 3: non-finite loss or gradients, update skipped (1 in a row)" in out
     assert "step 7: back to the params of step 4; the batches since are skipped" in out
-    metrics = {m["step"]: m for m in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())}
-    assert metrics[12]["skipped_total"] == 3 and np.isfinite(metrics[12]["loss"])
+    last = metrics(workdir)[-1]
+    assert last["step"] == 12 and last["skipped_total"] == 3 and np.isfinite(last["loss"])

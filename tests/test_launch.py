@@ -1,72 +1,34 @@
 """Multi-process training under the launcher (gloo collectives between local processes), worker
 failures and hangs, and export."""
 
-import json
 import os
-import pathlib
 import re
 import signal
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import psutil
 import pytest
-from conftest import cli_data_flags
+from conftest import checkpoint_params, metrics, run, start_until_first_step, train_command
 
 from jaxllm.export import load_exported
 
-ROOT = pathlib.Path(__file__).parents[1]
-
 
 def _train_command(workdir):
-    return [
-        sys.executable,
-        "-m",
-        "jaxllm.train",
-        "--config",
-        "configs/tiny.py",
-        "--workdir",
-        str(workdir),
-        "--config.model.num_layers=4",
-        "--config.model.hidden=64",
-        "--config.model.mlp=192",
-        "--config.train.steps=12",
-        "--config.train.seq_len=32",
-        "--config.train.log_every=2",
-        "--config.train.sample_tokens=4",
-        "--config.data.eval_every=6",
-        "--config.checkpoint.every_steps=4",
-        "--config.parallel.data=4",
-        "--config.parallel.fsdp=2",
-        *cli_data_flags(workdir.parent / "data"),
-    ]
+    return train_command(
+        workdir, "--config.checkpoint.every_steps=4", "--config.parallel.data=4", "--config.parallel.fsdp=2"
+    )
 
 
 def _launch(workdir, *launcher_args):
-    return [
-        sys.executable,
-        "-m",
-        "jaxllm.launch",
-        "--nproc",
-        "2",
-        "--backoff",
-        "1",
-        *launcher_args,
-        "--",
-        *_train_command(workdir),
-    ]
-
-
-def _env(devices):
-    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    return [sys.executable, "-m", "jaxllm.launch", "--nproc", "2", "--backoff", "1", *launcher_args, "--",
+            *_train_command(workdir)]  # fmt: skip
 
 
 def _losses(workdir):
-    return [(m["step"], m["loss"]) for m in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())]
+    return [(m["step"], m["loss"]) for m in metrics(workdir)]
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +36,8 @@ def runs(tmp_path_factory):
     """The same training as 1 process × 8 devices and as 2 processes × 4 devices."""
     root = tmp_path_factory.mktemp("launch")
     single, multi = root / "single", root / "multi"
-    subprocess.run(_train_command(single), cwd=ROOT, env=_env(8), check=True, capture_output=True, timeout=600)
-    proc = subprocess.run(_launch(multi), cwd=ROOT, env=_env(4), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    run(_train_command(single))
+    proc = run(_launch(multi), devices=4)
     assert "launch: all 2 processes finished" in proc.stdout
     return single, multi
 
@@ -90,18 +51,9 @@ def test_two_processes_match_one(runs):
 
 def _run_and_disturb(workdir, disturb, *launcher_args):
     """Starts a 2-process launch, waits for its first logged step, disturbs one worker."""
-    launcher = subprocess.Popen(
-        _launch(workdir, *launcher_args),
-        cwd=ROOT,
-        env=_env(4),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    launcher = start_until_first_step(
+        _launch(workdir, *launcher_args), workdir, devices=4, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
-    deadline = time.time() + 300
-    while not (workdir / "metrics.jsonl").exists() or not (workdir / "metrics.jsonl").read_text():
-        assert time.time() < deadline and launcher.poll() is None, "the first attempt never logged a step"
-        time.sleep(0.2)
     workers = [p for p in psutil.Process(launcher.pid).children() if "jaxllm.train" in " ".join(p.cmdline())]
     assert len(workers) == 2
     os.kill(workers[1].pid, disturb)
@@ -129,16 +81,7 @@ def test_hung_worker_is_detected_within_the_timeout(tmp_path):
 
 def test_export_writes_params_for_serving(runs, tmp_path):
     single, _ = runs
-    subprocess.run(
-        [sys.executable, "-m", "jaxllm.export", "--workdir", str(single), "--out", str(tmp_path / "export")],
-        cwd=ROOT,
-        env=_env(8),
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    run([sys.executable, "-m", "jaxllm.export", "--workdir", str(single), "--out", str(tmp_path / "export")])
     cfg, params = load_exported(tmp_path / "export")
     assert cfg.model.hidden == 64 and "opt_state" not in params
-    manager = ocp.CheckpointManager(single / "checkpoints", item_names=("state",))
-    state = manager.restore(12, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
-    jax.tree.map(np.testing.assert_array_equal, params, jax.tree.map(np.asarray, state["params"]))
+    jax.tree.map(np.testing.assert_array_equal, params, checkpoint_params(single, 12))

@@ -1,9 +1,7 @@
 """The pipeline against a plain sequential loop over the same weights, its collectives, and its
 training losses against the same run without it."""
 
-import json
 import os
-import pathlib
 import re
 import subprocess
 import sys
@@ -11,7 +9,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import cli_data_flags, small_config
+from conftest import ROOT, metrics, run, small_config, train_command
 from reference_model import reference_loss
 
 from jaxllm import plan
@@ -19,8 +17,6 @@ from jaxllm.config import load_config
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.pipeline import canonical_view, schedule_of
 from jaxllm.train.step import batch_sharding, compile_train_step, init_state, mean_loss, state_shardings
-
-ROOT = pathlib.Path(__file__).parents[1]
 
 # (stages, microbatches, repeats, other mesh axes): covers M ∈ {S, 2S}, R ∈ {1, 2}, S ∈ {2, 4}
 # and the combined layouts.
@@ -154,33 +150,16 @@ def test_120b_dry_run_compiles_reduced_depth():
 
 def test_pipeline_training_losses_match_no_pipeline(tmp_path):
     """The CLI's metrics.jsonl losses with a pipeline equal those without it."""
-    runs = {}
-    for name, layout in {
+    layouts = {
         "plain": ["--config.parallel.data=8"],
         "pipeline": ["--config.parallel.data=2", "--config.parallel.stage=4", "--config.parallel.microbatches=4"],
-    }.items():
-        cmd = [
-            sys.executable,
-            "-m",
-            "jaxllm.train",
-            "--config",
-            "configs/tiny.py",
-            "--workdir",
-            str(tmp_path / name),
-            "--config.model.hidden=64",
-            "--config.model.qkv_share_every=2",
-            "--config.model.mlp=192",
-            "--config.train.steps=12",
-            "--config.train.seq_len=32",
-            "--config.train.log_every=4",
-            "--config.train.sample_tokens=4",
-            *cli_data_flags(tmp_path / "data"),
-            *layout,
-        ]
-        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    }
+    runs = {}
+    for name, layout in layouts.items():
+        shape = ["--config.model.num_layers=8", "--config.model.qkv_share_every=2", "--config.train.log_every=4",
+                 "--config.data.eval_every=4"]  # fmt: skip
+        run(train_command(tmp_path / name, *shape, *layout))
+        runs[name] = metrics(tmp_path / name)
     assert [m["step"] for m in runs["pipeline"]] == [4, 8, 12]
     np.testing.assert_allclose([m["loss"] for m in runs["pipeline"]], [m["loss"] for m in runs["plain"]], rtol=1e-5)
     assert all(m["bubble"] == pytest.approx(3 / 7) for m in runs["pipeline"])

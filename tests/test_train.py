@@ -1,21 +1,13 @@
 """Training: accumulation and remat change nothing numerically; the CLI trains end to end."""
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import jax
 import numpy as np
 import pytest
-from conftest import cli_data_flags, small_config
+from conftest import metrics, run, small_config, train_command
 
 from jaxllm.config import REMAT_POLICIES
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.train.step import batch_sharding, compile_train_step, init_state, mean_loss
-
-ROOT = pathlib.Path(__file__).parents[1]
 
 
 def _batch(cfg):
@@ -62,78 +54,42 @@ def test_remat_policies_give_the_same_gradients():
         )
 
 
-def _train_cli(workdir, *overrides, data_dir=None):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "jaxllm.train",
-        "--config",
-        "configs/tiny.py",
-        "--workdir",
-        str(workdir),
-        "--config.model.num_layers=4",
-        "--config.model.hidden=64",
-        "--config.model.mlp=192",
-        "--config.train.steps=40",
-        "--config.train.seq_len=64",
-        "--config.train.log_every=10",
-        "--config.train.sample_tokens=16",
-        "--config.data.eval_every=20",
-        *cli_data_flags(data_dir or pathlib.Path(workdir) / "data"),
-        *overrides,
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout, [
-        json.loads(line) for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()
-    ]
+LONGER = ["--config.train.steps=40", "--config.train.seq_len=64", "--config.train.log_every=10",
+          "--config.data.eval_every=20", "--config.train.sample_tokens=16"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def cli_run(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("run")
-    return (*_train_cli(workdir, "--config.parallel.tensor=2"), workdir)
+    workdir = tmp_path_factory.mktemp("run") / "tensor2"
+    return run(train_command(workdir, *LONGER, "--config.parallel.tensor=2")).stdout, metrics(workdir), workdir
 
 
 def test_cli_trains_logs_and_samples(cli_run):
-    out, metrics, workdir = cli_run
+    out, logged, workdir = cli_run
     assert "mesh: data 4 × fsdp 1 × stage 1 × tensor 2 = 8 cpu devices" in out
     assert '"num_layers": 4' in out  # the resolved config, with overrides applied
     assert "sample:" in out
-    assert [m["step"] for m in metrics] == [10, 20, 30, 40]
-    for m in metrics:
+    assert [m["step"] for m in logged] == [10, 20, 30, 40]
+    for m in logged:
         assert {"step", "loss", "tokens_per_s", "mfu", "grad_norm", "lr"} <= m.keys()
         assert m["tokens_per_s"] > 0 and 0 < m["mfu"] < 1
-    assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.3, "loss should clearly fall"
-    val = [m["val_loss"] for m in metrics if "val_loss" in m]
-    assert [m["step"] for m in metrics if "val_loss" in m] == [20, 40]
+    assert logged[-1]["loss"] < logged[0]["loss"] - 0.3, "loss should clearly fall"
+    val = [m["val_loss"] for m in logged if "val_loss" in m]
+    assert [m["step"] for m in logged if "val_loss" in m] == [20, 40]
     assert val[1] < val[0], "validation loss should fall"
     assert "data: training a 512-token byte-level BPE" in out and "data: prepared" in out
     events = list((workdir / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
 
 
-def test_cli_is_deterministic_across_layouts(cli_run, tmp_path):
+def test_cli_is_deterministic_across_layouts(cli_run):
     """Same seed and data, another layout (fsdp instead of tensor): the same losses within fp32 tolerance."""
-    _, metrics = _train_cli(
-        tmp_path, "--config.parallel.data=2", "--config.parallel.fsdp=4", data_dir=cli_run[2] / "data"
-    )
-    np.testing.assert_allclose([m["loss"] for m in metrics], [m["loss"] for m in cli_run[1]], rtol=1e-4)
+    workdir = cli_run[2].parent / "fsdp4"
+    run(train_command(workdir, *LONGER, "--config.parallel.data=2", "--config.parallel.fsdp=4"))
+    np.testing.assert_allclose([m["loss"] for m in metrics(workdir)], [m["loss"] for m in cli_run[1]], rtol=1e-4)
 
 
 def test_cli_reports_config_errors_clearly(tmp_path):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "jaxllm.train",
-        "--config",
-        "configs/tiny.py",
-        "--workdir",
-        str(tmp_path),
-        "--config.parallel.data=3",
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = run(train_command(tmp_path / "bad", "--config.parallel.data=3"), check=False)
     assert proc.returncode != 0
     assert "config error: parallel.data=3" in proc.stderr and "but 8 exist" in proc.stderr
