@@ -4,6 +4,7 @@ incompatible checkpoints, preemption, non-finite steps."""
 import signal
 import subprocess
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -143,7 +144,7 @@ def test_sigkill_and_resume_is_bit_identical(uninterrupted, kill):
     resumed = _cli(workdir)
     assert ("checkpoint: restored step" in resumed.stdout) == (kill != KILLS["before the first checkpoint"])
     assert _losses(workdir) == _losses(uninterrupted)  # bit-identical, and cut back to one clean run
-    jax.tree.map(np.testing.assert_array_equal, checkpoint_params(workdir, 12), checkpoint_params(uninterrupted, 12))
+    chex.assert_trees_all_equal(checkpoint_params(workdir, 12), checkpoint_params(uninterrupted, 12))
 
 
 def test_sigterm_saves_and_exits_cleanly(uninterrupted):

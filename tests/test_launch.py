@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 
-import jax
+import chex
 import numpy as np
 import psutil
 import pytest
@@ -84,4 +84,4 @@ def test_export_writes_params_for_serving(runs, tmp_path):
     run([sys.executable, "-m", "jaxllm.export", "--workdir", str(single), "--out", str(tmp_path / "export")])
     cfg, params = load_exported(tmp_path / "export")
     assert cfg.model.hidden == 64 and "opt_state" not in params
-    jax.tree.map(np.testing.assert_array_equal, params, checkpoint_params(single, 12))
+    chex.assert_trees_all_equal(params, checkpoint_params(single, 12))

@@ -2,6 +2,7 @@
 
 import math
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -63,14 +64,14 @@ def single():
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_layout_matches_single_device(layout, single):
     got = run_layout(layout)
-    jax.tree.map(np.testing.assert_array_equal, got["init"], single["init"])  # bit-equal init
+    chex.assert_trees_all_equal(got["init"], single["init"])  # bit-equal init
     np.testing.assert_allclose(got["loss"], single["loss"], rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), got["grads"], single["grads"])
+    chex.assert_trees_all_close(got["grads"], single["grads"], rtol=1e-4, atol=1e-7)
     np.testing.assert_allclose(got["losses"], single["losses"], rtol=1e-5)
     # Adam divides by sqrt(v): for near-zero gradients, fp32 reduction-order noise moves an update
     # by a fraction of the learning rate, so params get a tolerance of 5% of one step.
     lr = single["cfg"].train.lr
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=5e-2 * lr), got["params"], single["params"])
+    chex.assert_trees_all_close(got["params"], single["params"], atol=5e-2 * lr)
     assert single["losses"][-1] < single["losses"][0], "three steps should lower the loss"
 
 

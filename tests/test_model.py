@@ -2,6 +2,7 @@
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,7 +79,7 @@ def test_loss_and_gradients_match_reference():
         loss, grads = jax.jit(jax.value_and_grad(lambda p: mean_loss(p, batch, cfg.model)))(params)
     want_loss, want_grads = jax.value_and_grad(reference_loss)(params, batch, cfg.model)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-3, atol=1e-6), grads, want_grads)
+    chex.assert_trees_all_close(grads, want_grads, rtol=2e-3, atol=1e-6)
 
 
 @pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())

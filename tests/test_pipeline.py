@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -56,7 +57,7 @@ def test_pipeline_matches_sequential_loop(case):
     params["groups"], grads["groups"] = canonical_view(params["groups"]), canonical_view(grads["groups"])
     want_loss, want_grads = jax.value_and_grad(reference_loss)(params, batch, cfg.model)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-6), grads, want_grads)
+    chex.assert_trees_all_close(grads, want_grads, rtol=1e-3, atol=1e-6)
 
 
 def _while_bodies(hlo: str) -> set[str]:

@@ -1,5 +1,6 @@
 """Training: accumulation and remat change nothing numerically; the CLI trains end to end."""
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -32,7 +33,7 @@ def test_gradient_accumulation_equals_one_big_batch():
     got = _one_step(cfg)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), got[2], want[2])
+    chex.assert_trees_all_close(got[2], want[2], atol=1e-6)
 
 
 def test_remat_policies_give_the_same_gradients():
