@@ -32,4 +32,5 @@ def get_config():
     )
     cfg.parallel.update(data=1, fsdp=2, stage=4, tensor=8, microbatches=32, repeats=1)
     cfg.train.update(steps=100_000, batch_size=64, seq_len=2048, lr=6e-5, warmup_steps=2000, log_every=10)
+    cfg.data.update(tokenizer="gpt2", dir="data/stdlib-gpt2")  # point data.inputs at your corpus
     return cfg

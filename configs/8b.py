@@ -21,4 +21,5 @@ def get_config():
     )
     cfg.parallel.update(data=1, fsdp=4, tensor=2)
     cfg.train.update(steps=50_000, batch_size=64, seq_len=4096, lr=3e-4, warmup_steps=1000, log_every=10)
+    cfg.data.update(tokenizer="gpt2", dir="data/stdlib-gpt2")  # point data.inputs at your corpus
     return cfg

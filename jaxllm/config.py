@@ -190,6 +190,14 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[int, ...
         m.head_dim is not None or m.hidden % m.num_heads == 0,
         f"model.hidden={m.hidden} is not divisible by model.num_heads={m.num_heads}; set model.head_dim explicitly",
     )
+    for field, value in (
+        ("train.steps", t.steps), ("train.batch_size", t.batch_size), ("train.seq_len", t.seq_len),
+        ("train.grad_accum_steps", t.grad_accum_steps), ("train.log_every", t.log_every),
+        ("train.sample_tokens", t.sample_tokens), ("data.eval_every", cfg.data.eval_every),
+        ("data.eval_batches", cfg.data.eval_batches), ("model.vocab_pad_multiple", m.vocab_pad_multiple),
+    ):  # fmt: skip
+        _require(value >= 1, f"{field}={value} must be at least 1")
+    _require(bool(t.sample_prompt), "train.sample_prompt is empty; give the end-of-training sample a prompt")
     shape = mesh_shape(p, num_devices)
     data, fsdp, stage, tensor = shape
     for field, value in (

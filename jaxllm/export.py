@@ -24,11 +24,15 @@ from jaxllm.train.checkpoint import Checkpointer, saved_config
 def export(workdir: str | pathlib.Path, out: str | pathlib.Path) -> int:
     """Exports the latest valid checkpoint of `workdir`; returns its step."""
     cfg = saved_config(workdir)
-    cfg.parallel.update(data=1, fsdp=-1, stage=1, tensor=1, microbatches=1, repeats=1)  # FSDP over what is here
+    # Restore with FSDP over whatever devices are here; the training batch plays no part.
+    cfg.parallel.update(data=1, fsdp=-1, stage=1, tensor=1, microbatches=1, repeats=1)
+    cfg.train.update(batch_size=jax.device_count(), grad_accum_steps=1)
     validate(cfg, jax.device_count())
     mesh = make_mesh(cfg.parallel)
     with jax.set_mesh(mesh):
-        restored = Checkpointer(workdir, cfg, mesh).restore_latest()
+        checkpoints = Checkpointer(workdir, cfg, mesh)
+        restored = checkpoints.restore_latest()
+        checkpoints.close()
         if restored is None:
             raise SystemExit(f"error: {workdir} has no readable checkpoint to export")
         out = pathlib.Path(out).absolute()

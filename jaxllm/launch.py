@@ -38,8 +38,23 @@ def _stop(procs: list[subprocess.Popen]) -> None:
         p.wait()
 
 
+class _Shutdown:
+    """SIGTERM or SIGINT to the launcher: pass SIGTERM on to the workers (they save and exit), then stop."""
+
+    requested = False
+
+    @classmethod
+    def install(cls) -> None:
+        def request(signum, frame):
+            print(f"launch: {signal.Signals(signum).name} received; asking the workers to save and stop", flush=True)
+            cls.requested = True
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, request)
+
+
 def run_group(command: list[str], nproc: int, heartbeat_timeout: float, startup_timeout: float) -> str | None:
-    """Runs one attempt; returns None on success, else why it failed."""
+    """Runs one attempt; returns None on success (or a requested shutdown), else why it failed."""
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="jaxllm-heartbeat-") as beats:
         procs = []
@@ -56,6 +71,13 @@ def run_group(command: list[str], nproc: int, heartbeat_timeout: float, startup_
         started = time.time()
         try:
             while True:
+                if _Shutdown.requested:
+                    for p in procs:
+                        if p.poll() is None:
+                            os.killpg(p.pid, signal.SIGTERM)
+                    for p in procs:
+                        p.wait()
+                    return None
                 codes = [p.poll() for p in procs]
                 if all(c == 0 for c in codes):
                     return None
@@ -90,8 +112,12 @@ def main() -> None:
     if not command:
         parser.error("give the training command after --")
     backoff = args.backoff
+    _Shutdown.install()
     for attempt in range(args.max_restarts + 1):
         failure = run_group(command, args.nproc, args.heartbeat_timeout, args.startup_timeout)
+        if _Shutdown.requested:
+            print("launch: stopped on request; run the same command to resume", flush=True)
+            return
         if failure is None:
             print(f"launch: all {args.nproc} processes finished", flush=True)
             return

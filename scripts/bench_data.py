@@ -42,7 +42,7 @@ def main() -> None:
             rates[f"{out}, {get_tokenizer(name).vocab_size} tokens"] = megabytes / (time.perf_counter() - start)
 
         t = cfg.train
-        batches = train_batches(Path(tmp) / "bpe", t.seq_len, t.batch_size, 0, 0)
+        batches = train_batches(Path(tmp) / "bpe", t.seq_len, t.batch_size, 0, get_tokenizer(bpe).eos_id)
         next(batches)
         start, tokens = time.perf_counter(), 0
         while time.perf_counter() - start < 3:

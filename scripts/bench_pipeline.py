@@ -53,8 +53,17 @@ def matmul_flops(jaxpr: jax.extend.core.Jaxpr) -> float:
 
 def _config(stages: int, microbatches: int, repeats: int, remat: str):
     cfg = base_config()
-    cfg.model.update(num_layers=32, hidden=64, num_heads=4, mlp=256, vocab_size=257, max_seq_len=64,
-                     qkv_share_every=2, dtype="float32", remat=remat)
+    cfg.model.update(
+        num_layers=32,
+        hidden=64,
+        num_heads=4,
+        mlp=256,
+        vocab_size=257,
+        max_seq_len=64,
+        qkv_share_every=2,
+        dtype="float32",
+        remat=remat,
+    )
     cfg.parallel.update(data=8 // stages, stage=stages, microbatches=microbatches, repeats=repeats)
     cfg.train.update(batch_size=128, seq_len=64)  # divisible by data × microbatches for every case below
     return cfg

@@ -96,8 +96,10 @@ def main() -> None:
     print(f"{'plain-JAX step (same shapes)':30} {tokens / plain:10.0f} {flops / plain / peak:8.1%}")
     print(f"jaxllm / plain throughput      {plain / ours:10.2f}x")
     times = {g: compile_seconds(cfg, mesh, g) for g in (4, 32)}
-    print(f"compile, scanned stack: 4 groups {times[4]:.2f} s, 32 groups {times[32]:.2f} s "
-          f"(ratio {times[32] / times[4]:.2f} for 8x the depth)")
+    print(
+        f"compile, scanned stack: 4 groups {times[4]:.2f} s, 32 groups {times[32]:.2f} s "
+        f"(ratio {times[32] / times[4]:.2f} for 8x the depth)"
+    )
 
 
 if __name__ == "__main__":

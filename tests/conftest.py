@@ -10,7 +10,6 @@ import time
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import jax  # noqa: E402
-import pytest  # noqa: E402
 
 from jaxllm.config import base_config  # noqa: E402
 
@@ -39,11 +38,6 @@ def small_config(**model):
     cfg.parallel.update(data=1, fsdp=1, stage=1, tensor=1)
     cfg.train.update(steps=10, batch_size=16, seq_len=16, lr=1e-2, warmup_steps=1, log_every=1)
     return cfg
-
-
-@pytest.fixture
-def cfg():
-    return small_config()
 
 
 def stdlib_glob(package: str) -> str:

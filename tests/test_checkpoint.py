@@ -77,7 +77,9 @@ def test_pipeline_checkpoint_restores_without_pipeline(tmp_path):
     mesh = make_mesh(pipelined.parallel)
     with jax.set_mesh(mesh):
         state, _ = _steps(pipelined, mesh, init_state(pipelined, mesh), 0, 2)
-        Checkpointer(tmp_path, pipelined, mesh).save(2, state, {})
+        checkpoints = Checkpointer(tmp_path, pipelined, mesh)
+        checkpoints.save(2, state, {})
+        checkpoints.close()
         _, want = _steps(pipelined, mesh, state, 2, 2)
     mesh = make_mesh(plain.parallel)
     with jax.set_mesh(mesh):

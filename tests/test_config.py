@@ -61,6 +61,8 @@ CASES = {
         ["train.batch_size=16", "4*1*1*8=32"],
     ),
     "stage -1": ({"parallel.stage": -1, "parallel.data": 1}, ["parallel.stage=-1", "set it explicitly"]),
+    "log_every": ({"train.log_every": 0}, ["train.log_every=0 must be at least 1"]),
+    "empty prompt": ({"train.sample_prompt": ""}, ["train.sample_prompt is empty"]),
     "repeats without pipeline": ({"parallel.repeats": 2}, ["parallel.repeats=2 needs a pipeline"]),
     "gqa ratio": ({"model.num_kv_heads": 3}, ["model.num_heads=8", "model.num_kv_heads=3"]),
 }

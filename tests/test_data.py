@@ -14,7 +14,7 @@ from jaxllm.data.corpus import CorpusError
 from jaxllm.data.dataset import prepare_data
 from jaxllm.data.loader import TokenWindows, pack, train_batches
 from jaxllm.data.prepare import prepare
-from jaxllm.data.tokenizer import get_tokenizer
+from jaxllm.data.tokenizer import TokenizerError, get_tokenizer
 from jaxllm.model.params import init_params, param_specs
 from jaxllm.model.transformer import forward
 from jaxllm.parallel.mesh import make_mesh
@@ -82,7 +82,7 @@ def test_trained_bpe_round_trips_and_has_explicit_specials(bpe):
 
 
 def test_unknown_tokenizer_is_a_clear_error():
-    with pytest.raises(ValueError, match="use 'gpt2' or a path to a tokenizer.json"):
+    with pytest.raises(TokenizerError, match="use 'gpt2' or a path to a tokenizer.json"):
         get_tokenizer("no/such/tokenizer")
 
 

@@ -75,7 +75,8 @@ def test_layout_matches_single_device(layout, single):
     assert single["losses"][-1] < single["losses"][0], "three steps should lower the loss"
 
 
-# Written out by hand for data2×fsdp2×tensor2 from DESIGN §2, independently of the rules table.
+# Written out by hand for data2×fsdp2×tensor2 (Megatron TP + ZeRO-3 on the model dim), independently of the
+# rules table.
 EXPECTED_SPECS = {
     "embed": P("tensor", "fsdp"),
     "lm_head": P("fsdp", "tensor"),

@@ -94,7 +94,7 @@ def test_120b_parameter_count_without_allocating():
     shapes = jax.eval_shape(lambda: init_params(param_specs(cfg.model), seed=0))
     real = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
     assert real == plan.param_counts(cfg.model)["total"]
-    assert round(real / 1e9, 1) == 119.0  # DESIGN §1: 117.8B in the layers + 2·V·h embeddings
+    assert round(real / 1e9, 1) == 119.0  # 117.8B in the layers + 2·V·h embeddings
     assert round(plan.applied_matmul_params(cfg.model) / 1e9, 1) == 145.6  # Megatron's 145.6B GPT
 
 

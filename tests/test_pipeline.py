@@ -19,7 +19,7 @@ from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.pipeline import canonical_view, schedule_of
 from jaxllm.train.step import batch_sharding, compile_train_step, init_state, mean_loss, state_shardings
 
-# (stages, microbatches, repeats, other mesh axes): covers M ∈ {S, 2S}, R ∈ {1, 2}, S ∈ {2, 4}
+# (stages, microbatches, repeats, other mesh axes[, remat]): covers M ∈ {S, 2S}, R ∈ {1, 2}, S ∈ {2, 4}
 # and the combined layouts.
 CASES = {
     "S2 M2 R1 data4": (2, 2, 1, dict(data=4)),
@@ -28,7 +28,7 @@ CASES = {
     "S4 M8 R2 data2": (4, 8, 2, dict(data=2)),
     "S2 M4 R1 tensor2 data2": (2, 4, 1, dict(tensor=2, data=2)),
     "S2 M2 R2 fsdp2 tensor2": (2, 2, 2, dict(fsdp=2, tensor=2, data=1)),
-    "S4 M4 R2 data2 (remat full)": (4, 4, 2, dict(data=2)),
+    "S4 M4 R2 data2 remat full": (4, 4, 2, dict(data=2), "full"),
 }
 
 
@@ -45,8 +45,8 @@ def _batch(cfg):
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_pipeline_matches_sequential_loop(case):
-    stages, microbatches, repeats, axes = case
-    cfg = _config(stages, microbatches, repeats, axes, remat="full" if "remat" in str(case) else "none")
+    stages, microbatches, repeats, axes, *remat = case
+    cfg = _config(stages, microbatches, repeats, axes, remat=remat[0] if remat else "none")
     mesh = make_mesh(cfg.parallel)
     batch = _batch(cfg)
     with jax.set_mesh(mesh):

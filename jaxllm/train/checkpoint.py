@@ -17,7 +17,9 @@ from functools import partial
 
 import jax
 import ml_collections
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 import jaxllm
@@ -79,6 +81,7 @@ def saved_config(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
     if step is None:
         raise ConfigError(f"{workdir} has no checkpoints; pass the --workdir of a training run")
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    manager.close()
     return ml_collections.ConfigDict(meta["config"])
 
 
@@ -108,9 +111,14 @@ class Checkpointer:
 
     def due(self, step: int) -> bool:
         c = self.cfg.checkpoint
-        by_steps = c.every_steps > 0 and step % c.every_steps == 0
-        by_time = c.every_minutes > 0 and time.monotonic() - self._last_save >= 60 * c.every_minutes
-        return by_steps or by_time
+        if c.every_steps > 0 and step % c.every_steps == 0:
+            return True
+        if c.every_minutes <= 0:
+            return False
+        by_time = time.monotonic() - self._last_save >= 60 * c.every_minutes
+        if jax.process_count() > 1:  # every process must take the same decision: process 0's clock rules
+            by_time = bool(multihost_utils.broadcast_one_to_all(np.asarray(by_time)))
+        return by_time
 
     def save(self, step: int, state: State, data_state: dict) -> None:
         """Starts an asynchronous save of `state` as it is now; returns once the arrays are copied."""
@@ -178,6 +186,11 @@ class Checkpointer:
             )
             print(f"checkpoint: restored step {step} from {self.directory} (saved on mesh {meta['mesh']})")
             return Restored(state, step, restored["data"])
+        if self.manager.all_steps():
+            raise ConfigError(
+                f"none of the checkpoints {sorted(self.manager.all_steps())} in {self.directory} can be read (see "
+                "above); move that directory aside to start afresh, or fix what the errors name"
+            )
         return None
 
     def close(self) -> None:

@@ -45,9 +45,11 @@ def dry_run(cfg: ml_collections.ConfigDict) -> None:
     t = cfg.train
     with jax.set_mesh(mesh):
         state = jax.eval_shape(lambda: init_state(cfg, mesh))
+        dtypes = {"inputs": "int32", "targets": "int32", "segment_ids": "int32", "positions": "int32",
+                  "loss_mask": "float32"}  # what the data loader feeds  # fmt: skip
         batch = {
-            k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jax.numpy.int32, sharding=batch_sharding(mesh))
-            for k in ("inputs", "targets")
+            k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), dtype, sharding=batch_sharding(mesh))
+            for k, dtype in dtypes.items()
         }
         start = time.perf_counter()
         lowered = compile_train_step(cfg, mesh).lower(state, batch)
