@@ -94,3 +94,25 @@ def test_cli_reports_config_errors_clearly(tmp_path):
     proc = run(train_command(tmp_path / "bad", "--config.parallel.data=3"), check=False)
     assert proc.returncode != 0
     assert "error: parallel.data=3" in proc.stderr and "but 8 exist" in proc.stderr
+
+
+def test_non_finite_step_leaves_params_and_optimizer_untouched():
+    cfg = small_config()
+    cfg.parallel.update(data=8)
+    cfg.debug.nan_at_steps = (1,)
+    mesh = make_mesh(cfg.parallel)
+    with jax.set_mesh(mesh):
+        state = init_state(cfg, mesh)
+        before = jax.device_get({k: state[k] for k in ("params", "opt_state")})  # the step donates `state`
+        step = compile_train_step(cfg, mesh)
+        batch = jax.device_put(_batch(cfg), batch_sharding(mesh))
+        state, metrics = step(state, batch)
+        assert int(metrics["skipped"]) == 1 and not np.isfinite(float(metrics["loss"]))
+        assert int(state["step"]) == 1
+        chex.assert_trees_all_equal(jax.device_get({k: state[k] for k in ("params", "opt_state")}), before)
+        state, metrics = step(state, batch)
+        assert int(metrics["skipped"]) == 0 and np.isfinite(float(metrics["loss"]))
+        assert float(metrics["lr"]) == 0.0  # the skipped step did not advance the warmup schedule
+        state, metrics = step(state, batch)
+        assert float(metrics["lr"]) == pytest.approx(cfg.train.lr)  # warmup done after one applied update
+        assert not np.array_equal(jax.device_get(state["params"]["embed"]), before["params"]["embed"])

@@ -75,11 +75,13 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, progre
     with jax.set_mesh(mesh):
         checkpoints = Checkpointer(workdir, cfg, mesh)
         restored = checkpoints.restore_latest()
+        skipped = 0  # non-finite steps so far, carried across restarts with the data position
         if restored is None:
             state, start = init_state(cfg, mesh), 0
         else:
             state, start = restored.state, restored.step
-            batches.set_state(restored.data_state)
+            batches.set_state(restored.data_state["loader"])
+            skipped = restored.data_state["skipped_total"]
         writer = MetricsWriter(workdir, start_step=start)
         step_fn, eval_fn = compile_train_step(cfg, mesh), compile_eval_step(cfg, mesh)
         sharding = batch_sharding(mesh)
@@ -101,7 +103,12 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, progre
             dynamic_ncols=True,
             mininterval=1.0,
         )
-        last, latest_val, bad_steps, skipped = {}, {}, 0, 0
+
+        def position() -> dict:
+            """What a checkpoint keeps besides the arrays: where the data is, and the skip count."""
+            return {"loader": batches.get_state(), "skipped_total": skipped}
+
+        last, latest_val, bad_steps = {}, {}, 0
         clock, clock_step, saved_step = time.perf_counter(), start, start
         try:
             for step in bar:
@@ -119,7 +126,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, progre
                 else:
                     bad_steps = 0
                 if checkpoints.due(step) or step == t.steps:
-                    checkpoints.save(step, state, batches.get_state())
+                    checkpoints.save(step, state, position())
                     saved_step = step
                     if debug.kill_during_save and step == debug.kill_at_step:
                         kill_self()
@@ -158,7 +165,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, progre
                     clock, clock_step = time.perf_counter(), step  # compilation and evaluation are not training time
                 if stopping:
                     if saved_step != step:
-                        checkpoints.save(step, state, batches.get_state())
+                        checkpoints.save(step, state, position())
                     print(f"preempted: checkpoint saved at step {step}; run the same command to resume")
                     return last
         finally:  # on success, preemption or error alike: flush metrics, finish pending saves

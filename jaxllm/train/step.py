@@ -112,7 +112,8 @@ def train_step(state: State, batch: Batch, cfg: ml_collections.ConfigDict, shard
     metrics = {
         "loss": total / count,
         "grad_norm": grad_norm,
-        "lr": learning_rate(cfg.train)(state["step"]),
+        # The schedule follows applied updates (a skipped step does not advance it, as in Megatron).
+        "lr": learning_rate(cfg.train)(optax.tree_utils.tree_get_all_with_path(state["opt_state"], "count")[0][1]),
         "tokens": count,
         "skipped": 1 - finite.astype(jnp.int32),
     }
