@@ -8,12 +8,13 @@ import pathlib
 
 import jax
 import ml_collections
+import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxllm.config import ConfigError
-from jaxllm.data.corpus import read_documents, resolve_inputs
+from jaxllm.data.corpus import CorpusError, read_documents, resolve_inputs
 from jaxllm.data.prepare import prepare, read_meta
-from jaxllm.data.tokenizer import Tokenizer, get_tokenizer, train_bpe
+from jaxllm.data.tokenizer import Tokenizer, TokenizerError, get_tokenizer, train_bpe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,11 +57,19 @@ def prepare_data(cfg: ml_collections.ConfigDict) -> Data:
     """Runs once per run, before any step. Process 0 trains the tokenizer and prepares the shards;
     the other processes wait for it, then check the same things."""
     directory = pathlib.Path(cfg.data.dir)
+    failure = None
     if jax.process_index() == 0:
-        spec = _tokenizer_spec(cfg.data, directory)
-        _check(get_tokenizer(spec), directory / "tokens", cfg.model)
-        prepare(_inputs(cfg.data), spec, directory / "tokens", cfg.data.val_fraction)
-    multihost_utils.sync_global_devices("jaxllm data prepared")
+        try:
+            spec = _tokenizer_spec(cfg.data, directory)
+            _check(get_tokenizer(spec), directory / "tokens", cfg.model)
+            prepare(_inputs(cfg.data), spec, directory / "tokens", cfg.data.val_fraction)
+        except (ConfigError, CorpusError, TokenizerError) as e:
+            failure = e
+    if jax.process_count() > 1:  # the others must not wait for data that will never come
+        if multihost_utils.broadcast_one_to_all(np.asarray(failure is not None)) and failure is None:
+            raise ConfigError("process 0 could not prepare the data; its output says why")
+    if failure is not None:
+        raise failure
     tokenizer = get_tokenizer(_tokenizer_spec(cfg.data, directory))
     _check(tokenizer, directory / "tokens", cfg.model)
     return Data(tokenizer, directory / "tokens")
