@@ -152,23 +152,16 @@ class Checkpointer:
     def restore_latest(self) -> Restored | None:
         """The newest checkpoint that reads back whole, on this run's mesh and layout; None if none."""
         self.manager.wait_until_finished()
+        want = _model_fields(self.cfg)
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
                 meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-            except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is passed over
-                print(f"checkpoint: step {step} is unreadable ({type(e).__name__}: {e}); trying an earlier one")
-                continue
-            if meta["model"] != _model_fields(self.cfg):
-                changed = {
-                    k: (v, _model_fields(self.cfg)[k])
-                    for k, v in meta["model"].items()
-                    if _model_fields(self.cfg).get(k) != v
-                }
-                raise ConfigError(
-                    f"the checkpoint at step {step} in {self.directory} is for another model shape "
-                    f"(saved vs configured: {changed}); use a new --workdir or the original model settings"
-                )
-            try:
+                if meta["model"] != want:
+                    changed = {k: (v, want.get(k)) for k, v in meta["model"].items() if want.get(k) != v}
+                    raise ConfigError(
+                        f"the checkpoint at step {step} in {self.directory} is for another model shape "
+                        f"(saved vs configured: {changed}); use a new --workdir or the original model settings"
+                    )
                 restored = self.manager.restore(
                     step,
                     args=ocp.args.Composite(
@@ -176,7 +169,9 @@ class Checkpointer:
                         data=ocp.args.JsonRestore(),
                     ),
                 )
-            except Exception as e:  # noqa: BLE001
+            except ConfigError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is passed over
                 print(
                     f"checkpoint: step {step} is unreadable ({type(e).__name__}: {str(e)[:300]}); trying an earlier one"
                 )
