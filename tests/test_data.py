@@ -15,9 +15,9 @@ from jaxllm.data.dataset import prepare_data
 from jaxllm.data.loader import TokenWindows, pack, train_batches
 from jaxllm.data.prepare import prepare
 from jaxllm.data.tokenizer import TokenizerError, get_tokenizer
-from jaxllm.model.params import init_params, param_specs
-from jaxllm.model.transformer import forward
+from jaxllm.model import forward
 from jaxllm.parallel.mesh import make_mesh
+from jaxllm.train.step import init_params
 
 SAMPLES = [
     "Hello world",
@@ -160,7 +160,7 @@ def test_packed_batches_never_attend_across_documents(prepared, bpe):
         e for e in map(lambda i: pack(windows[i], bpe.eos_id), range(len(windows))) if e["segment_ids"][-1] > 2
     )
     tokens, segments, positions = (example[k][None] for k in ("inputs", "segment_ids", "positions"))
-    params = init_params(param_specs(cfg.model), seed=0)
+    params = init_params(cfg)
     with jax.set_mesh(make_mesh(cfg.parallel, jax.devices()[:1])):
         run = jax.jit(lambda p, t, s, q: forward(p, t, cfg.model, s, q))
         packed = run(params, tokens, segments, positions)

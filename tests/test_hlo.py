@@ -5,12 +5,14 @@ import re
 import jax
 import jax.numpy as jnp
 from conftest import small_config
+from flax import nnx
 
-from jaxllm.model.params import init_params, param_specs
-from jaxllm.model.transformer import group_forward, make_context
+from jaxllm.config import head_dim
+from jaxllm.model import Decoder
+from jaxllm.model.layers import make_context
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.rules import constrain
-from jaxllm.train.step import state_shardings
+from jaxllm.train.step import init_params, state_shardings
 
 
 def _count(hlo: str, op: str, *, backward: bool | None = None) -> int:
@@ -31,13 +33,16 @@ def _compiled_group(cfg, grad: bool) -> str:
     group_sharding = jax.tree.map(
         lambda s: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*s.spec[1:])), groups_sharding
     )
-    group = jax.tree.map(lambda a: a[0], init_params(param_specs(cfg.model), 0)["groups"])
+    params = init_params(cfg)
+    graph = nnx.graphdef(Decoder.from_params(cfg.model, params).groups)
+    group = jax.tree.map(lambda a: a[0], params["groups"])
     tokens = jnp.zeros((8, cfg.train.seq_len), jnp.int32)
     x = jnp.ones((8, cfg.train.seq_len, cfg.model.hidden))
 
     def run(group, x):
         x = constrain(x, "batch", "seq", "act_embed")
-        return group_forward(x, group, make_context(cfg.model, tokens, None, None), cfg.model).sum()
+        ctx = make_context(tokens, None, None, head_dim(cfg.model), cfg.model.rope_theta)
+        return nnx.merge(graph, group)(x, ctx).sum()
 
     with jax.set_mesh(mesh):
         fn = jax.grad(run, argnums=(0, 1)) if grad else run

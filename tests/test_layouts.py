@@ -9,9 +9,8 @@ import pytest
 from conftest import small_config
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.model.params import param_specs
 from jaxllm.parallel.mesh import make_mesh
-from jaxllm.train.step import batch_sharding, compile_train_step, init_state, mean_loss
+from jaxllm.train.step import batch_sharding, compile_train_step, init_params, init_state, mean_loss
 
 LAYOUTS = {
     "data8": dict(data=8),
@@ -68,10 +67,11 @@ def test_layout_matches_single_device(layout, single):
     np.testing.assert_allclose(got["loss"], single["loss"], rtol=1e-6)
     chex.assert_trees_all_close(got["grads"], single["grads"], rtol=1e-4, atol=1e-7)
     np.testing.assert_allclose(got["losses"], single["losses"], rtol=1e-5)
-    # Adam divides by sqrt(v): for near-zero gradients, fp32 reduction-order noise moves an update
-    # by a fraction of the learning rate, so params get a tolerance of 5% of one step.
+    # Adam divides by sqrt(v): for near-zero gradients, fp32 reduction-order noise (4e-8 here) moves an
+    # update by a fraction of the learning rate (5.3% of one step at worst with jax 0.10.2 on x86 CPU),
+    # so params get a tolerance of 10% of one step; a layout bug moves many by whole steps.
     lr = single["cfg"].train.lr
-    chex.assert_trees_all_close(got["params"], single["params"], atol=5e-2 * lr)
+    chex.assert_trees_all_close(got["params"], single["params"], atol=0.1 * lr)
     assert single["losses"][-1] < single["losses"][0], "three steps should lower the loss"
 
 
@@ -120,12 +120,9 @@ def test_init_never_holds_a_whole_parameter():
         state = init_state(cfg, mesh)
     for path, leaf in jax.tree_util.tree_leaves_with_path(state["params"]):
         assert leaf.addressable_shards[0].data.size < leaf.size, jax.tree_util.keystr(path)
-    from jaxllm.model.params import init_params
-
-    specs = param_specs(cfg.model)
     shardings = jax.tree.map(lambda a: a.sharding, state["params"])
     with jax.set_mesh(mesh):
-        compiled = jax.jit(lambda: init_params(specs, 0), out_shardings=shardings).lower().compile()
+        compiled = jax.jit(lambda: init_params(cfg), out_shardings=shardings).lower().compile()
     mem = compiled.memory_analysis()
     total = sum(x.nbytes for x in jax.tree.leaves(state["params"]))
     largest = max(x.nbytes for x in jax.tree.leaves(state["params"]))

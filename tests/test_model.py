@@ -8,15 +8,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import small_config
+from flax import nnx
 from reference_model import reference_logits, reference_loss
 
 from jaxllm import plan
 from jaxllm.config import load_config
+from jaxllm.model import Decoder, forward, param_specs, params_of
 from jaxllm.model.generate import sample_token
-from jaxllm.model.params import count, init_params, param_specs
-from jaxllm.model.transformer import forward
+from jaxllm.model.params import count
 from jaxllm.parallel.mesh import make_mesh
-from jaxllm.train.step import mean_loss
+from jaxllm.train.step import init_params, mean_loss
 
 OPTIONS = {
     "default (swiglu, rmsnorm, gqa, share 2)": {},
@@ -35,17 +36,24 @@ def one_device_mesh(cfg):
 
 
 def _params_and_tokens(cfg):
-    params = init_params(param_specs(cfg.model), seed=3)
+    cfg.train.seed = 3
+    params = init_params(cfg)
     tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, cfg.model.vocab_size)
     return params, tokens
 
 
 @pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
-def test_options_match_reference(options):
+def test_module_equals_functional_forward_equals_reference(options):
+    """The Flax module run eagerly without a mesh (a notebook), the trainer's jitted forward on the
+    params dict under a mesh, and the independent reference."""
     cfg = small_config(**options)
-    params, tokens = _params_and_tokens(cfg)
+    module = Decoder(cfg.model, rngs=nnx.Rngs(3))
+    params = params_of(module)
+    tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, cfg.model.vocab_size)
+    eager = module(tokens)
     with jax.set_mesh(one_device_mesh(cfg)):
         got = jax.jit(lambda p, t: forward(p, t, cfg.model))(params, tokens)
+    np.testing.assert_allclose(eager, got, rtol=1e-5, atol=1e-5)
     want = reference_logits(params, tokens, cfg.model)
     np.testing.assert_allclose(got[..., : cfg.model.vocab_size], want, rtol=1e-4, atol=1e-4)
     assert np.all(np.asarray(got[..., cfg.model.vocab_size :]) < -1e29), "padded vocab entries must be masked"
@@ -85,13 +93,13 @@ def test_loss_and_gradients_match_reference():
 @pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
 def test_parameter_tree_count_equals_planner(options):
     cfg = small_config(**options)
-    real = sum(x.size for x in jax.tree.leaves(init_params(param_specs(cfg.model), seed=0)))
+    real = sum(math.prod(x.shape) for x in jax.tree.leaves(jax.eval_shape(lambda: init_params(cfg))))
     assert real == plan.param_counts(cfg.model)["total"] == count(param_specs(cfg.model))
 
 
 def test_120b_parameter_count_without_allocating():
     cfg = load_config("configs/120b.py")
-    shapes = jax.eval_shape(lambda: init_params(param_specs(cfg.model), seed=0))
+    shapes = jax.eval_shape(lambda: init_params(cfg))
     real = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
     assert real == plan.param_counts(cfg.model)["total"]
     assert round(real / 1e9, 1) == 119.0  # 117.8B in the layers + 2·V·h embeddings

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from jaxllm.model.transformer import forward
+from jaxllm.model.decoder import forward
 
 
 def sample_token(logits: jax.Array, key: jax.Array, temperature: float, top_k: int) -> jax.Array:

@@ -7,11 +7,32 @@ each other.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 NEG_INF = -1e30  # finite, so fully masked rows give a uniform softmax instead of NaN
+
+
+class Context(NamedTuple):
+    """Per-sequence inputs every layer needs, computed once per forward pass."""
+
+    rope: tuple[jax.Array, jax.Array]
+    mask: jax.Array
+
+
+def make_context(
+    tokens: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None, head_dim: int, rope_theta: float
+) -> Context:
+    """RoPE tables and the causal, document-isolating mask; positions default to 0..seq-1 and all
+    tokens to one document."""
+    b, t = tokens.shape
+    index = jnp.broadcast_to(jnp.arange(t), (b, t))
+    positions = index if positions is None else positions
+    segment_ids = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids
+    return Context(rope_tables(positions, head_dim, rope_theta), attention_mask(index, index, segment_ids, segment_ids))
 
 
 def norm(x: jax.Array, p: dict, kind: str, eps: float) -> jax.Array:

@@ -1,8 +1,11 @@
-"""Parameter table: every weight's shape, logical axis names and initialiser in one place.
+"""Parameters as the modules declare them, and the plain dicts that every JAX boundary sees.
 
-Initial values are a pure function of (seed, parameter path), never of the mesh, so every
-layout starts from bit-identical weights; init runs under `jit` with sharded outputs, so no
-device ever materialises a whole parameter.
+A module declares each weight once (`declare`: shape, logical axis names, initialiser); the rest is
+derived: `specs_of` (shapes and axes for the rules table), `params_of` (the plain dict of arrays
+that jit, scan, shard_map and Orbax see) and `init_params`. Initial values are a pure function of
+(seed, parameter path), never of the mesh, RNG counters or construction order, so every layout
+starts from bit-identical weights; init runs under `jit` with sharded outputs, so no device ever
+materialises a whole parameter.
 """
 
 from __future__ import annotations
@@ -10,14 +13,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
-
-from jaxllm.config import head_dim, num_kv_heads, padded_vocab
-from jaxllm.parallel.pipeline import Schedule
+from flax import nnx
 
 Params = dict[str, Any]
 
@@ -30,56 +32,45 @@ class ParamSpec:
     std: float = 0.0
 
 
-def _norm(model: ml_collections.ConfigDict, lead: tuple[int, ...], lead_axes: tuple) -> dict[str, ParamSpec]:
-    spec = {"scale": ParamSpec((*lead, model.hidden), (*lead_axes, "embed"), "ones")}
-    if model.norm == "layernorm":
-        spec["bias"] = ParamSpec((*lead, model.hidden), (*lead_axes, "embed"), "zeros")
-    return spec
+def declare(
+    shape: tuple[int, ...], axes: tuple[str | None, ...], dtype: Any, init: str = "normal", std: float = 0.0
+) -> nnx.Param:
+    """A parameter with its logical axis names and initialiser, holding only its shape until the
+    decoder gives every parameter its value by path. No eager sharding: placement comes from the
+    rules table through `jit(out_shardings)`."""
+    return nnx.Param(
+        jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)), out_sharding=axes, init=init, std=std, eager_sharding=False
+    )
 
 
-def param_specs(model: ml_collections.ConfigDict, schedule: Schedule | None = None) -> dict[str, Any]:
-    """Nested dict of ParamSpec. Layer groups are stacked on a leading `layers` dim (scanned), or
-    with a pipeline `schedule` on [repeats, stage, layers] (the same values, reshaped); the layers of
-    a group on a further `sublayers` dim. Each group owns one QKV projection."""
-    h, nh, kv, hd, mlp = model.hidden, model.num_heads, num_kv_heads(model), head_dim(model), model.mlp
-    k = model.qkv_share_every
-    g = model.num_layers // k
-    std = model.init_std
-    out_std = std / (2 * model.num_layers) ** 0.5  # scaled residual-branch init (GPT-2)
-    if schedule is None:
-        gs, ga = (g,), ("layers",)
-    else:
-        r, s = schedule.repeats, schedule.stages
-        gs, ga = (r, s, g // (r * s)), ("repeats", "stage", "layers")
-    lg, la = (*gs, k), (*ga, "sublayers")
+def _param_tree(module: nnx.Module, leaf: Callable[[nnx.Param], Any]) -> dict:
+    """`leaf(param)` for every parameter of `module`, nested by attribute name (the checkpoint schema)."""
+    tree: dict = {}
+    for path, param in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = leaf(param)
+    return tree
 
-    ffn = {
-        "up": ParamSpec((*lg, h, mlp), (*la, "embed", "mlp"), std=std),
-        "down": ParamSpec((*lg, mlp, h), (*la, "mlp", "embed"), std=out_std),
-    }
-    if model.mlp_activation in ("swiglu", "geglu"):
-        ffn["gate"] = ParamSpec((*lg, h, mlp), (*la, "embed", "mlp"), std=std)
 
-    specs = {
-        "embed": ParamSpec((padded_vocab(model), h), ("vocab", "embed"), std=std),
-        "groups": {
-            "qkv": {
-                "q": ParamSpec((*gs, h, nh, hd), (*ga, "embed", "heads", "head_dim"), std=std),
-                "k": ParamSpec((*gs, h, kv, hd), (*ga, "embed", "kv_heads", "head_dim"), std=std),
-                "v": ParamSpec((*gs, h, kv, hd), (*ga, "embed", "kv_heads", "head_dim"), std=std),
-            },
-            "layers": {
-                "attn_norm": _norm(model, lg, la),
-                "o_proj": ParamSpec((*lg, nh, hd, h), (*la, "heads", "head_dim", "embed"), std=out_std),
-                "mlp_norm": _norm(model, lg, la),
-                "mlp": ffn,
-            },
-        },
-        "final_norm": _norm(model, (), ()),
-    }
-    if not model.tie_embeddings:
-        specs["lm_head"] = ParamSpec((h, padded_vocab(model)), ("embed", "vocab"), std=std)
-    return specs
+def params_of(module: nnx.Module) -> Params:
+    """The module's parameters as a plain dict of arrays."""
+    return _param_tree(module, lambda p: p.get_value())
+
+
+def specs_of(module: nnx.Module) -> dict[str, Any]:
+    """The module's parameters as ParamSpecs (shape, logical axes, initialiser)."""
+    return _param_tree(module, lambda p: ParamSpec(tuple(p.shape), tuple(p.out_sharding), p.init, p.std))
+
+
+def value_axes(param: nnx.Param | nnx.Module) -> Any:
+    """Logical axes of the dims a parameter's value has now. A stacked module applied to one slice
+    (a group, a layer) holds values without the leading stack dims its declaration names."""
+    if isinstance(param, nnx.Module):
+        return _param_tree(param, value_axes)
+    axes = tuple(param.out_sharding)
+    return axes[len(axes) - param.ndim :]
 
 
 def is_spec(x: Any) -> bool:
@@ -91,19 +82,28 @@ def is_norm(path: tuple) -> bool:
     return any("norm" in str(getattr(p, "key", "")) for p in path)
 
 
-def path_key(seed: int, path: tuple) -> jax.Array:
-    """A key that depends only on the seed and the parameter's path."""
+def path_key(key: jax.Array, path: tuple) -> jax.Array:
+    """A key that depends only on the base key and the parameter's path."""
     name = "/".join(str(getattr(p, "key", p)) for p in path)
-    return jax.random.fold_in(jax.random.key(seed), zlib.crc32(name.encode()))
+    return jax.random.fold_in(key, zlib.crc32(name.encode()))
 
 
-def init_params(specs: dict[str, Any], seed: int, dtype: Any = jnp.float32) -> Params:
+@partial(jax.jit, static_argnums=(1, 2, 3))
+def _normal(key: jax.Array, shape: tuple[int, ...], std: float, dtype: Any) -> jax.Array:
+    """One compiled program per weight, run eagerly or inlined in the trainer's jit alike: XLA's
+    fusion moves the last bit of `std * normal(...)`, so op-by-op it would differ by an ulp."""
+    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def init_params(specs: dict[str, Any], key: jax.Array, dtype: Any = jnp.float32) -> Params:
+    """Initial values from the base `key` (`jax.random.key(seed)`) and each parameter's path."""
+
     def init(path: tuple, spec: ParamSpec) -> jax.Array:
         if spec.init == "ones":
             return jnp.ones(spec.shape, dtype)
         if spec.init == "zeros":
             return jnp.zeros(spec.shape, dtype)
-        return (spec.std * jax.random.normal(path_key(seed, path), spec.shape, jnp.float32)).astype(dtype)
+        return _normal(path_key(key, path), spec.shape, spec.std, jnp.dtype(dtype))
 
     return jax.tree_util.tree_map_with_path(init, specs, is_leaf=is_spec)
 

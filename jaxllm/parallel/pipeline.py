@@ -75,8 +75,8 @@ def _merge(a: jax.Array) -> jax.Array:
     return jnp.swapaxes(a, 0, 1).reshape(-1, *a.shape[2:])
 
 
-def pipeline_stack(groups, specs, x: jax.Array, ctx, model: ml_collections.ConfigDict, schedule: Schedule, stack_fn):
-    """Runs `stack_fn(stage_groups, x, ctx, model)` (a scan over one stage's groups) as a pipeline.
+def pipeline_stack(groups, specs, x: jax.Array, ctx, schedule: Schedule, stack_fn):
+    """Runs `stack_fn(stage_groups, x, ctx)` (a scan over one stage's groups) as a pipeline.
 
     `groups` are in the pipeline view, `specs` their ParamSpecs. They are gathered over `fsdp`
     once, before the loop, so the loop body never all-gathers weights; each iteration is
@@ -110,7 +110,6 @@ def pipeline_stack(groups, specs, x: jax.Array, ctx, model: ml_collections.Confi
                 jax.tree.map(lambda a: a[repeat], weights),
                 stage_in,
                 jax.tree.map(lambda a: a[mb], ctx_micro),
-                model=model,
             )
             shifted = jax.lax.ppermute(out, "stage", to_next_stage)  # on stage 0: the last stage's output
             if delay:

@@ -28,8 +28,11 @@ RULES: dict[str, MeshAxes] = {
     "layers": None,
     "repeats": None,
     "sublayers": None,
-    "stage": "stage",
+    "stages": "stage",  # the pipeline view's stage dim
 }
+
+# The same table as (logical, mesh axes) pairs, for Flax: `with nnx.logical_axis_rules(AXIS_RULES): ...`.
+AXIS_RULES: tuple[tuple[str, MeshAxes], ...] = tuple(RULES.items())
 
 # ZeRO-1: optimizer state is also split over the data-parallel replicas.
 OPTIMIZER_RULES: dict[str, MeshAxes] = {**RULES, "embed": ("fsdp", "data")}
@@ -66,7 +69,10 @@ def logical_spec(
 
 
 def constrain(x: jax.Array, *names: str | None, rules: Mapping[str, MeshAxes] = RULES) -> jax.Array:
-    """Pins an array's sharding by logical names (needs a mesh in context)."""
+    """Pins an array's sharding by logical names; without a mesh in context (a notebook, one
+    device) there is nothing to pin."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
     return jax.lax.with_sharding_constraint(x, logical_spec(names, rules))
 
 

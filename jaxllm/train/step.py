@@ -9,10 +9,11 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxllm.model.params import ParamSpec, init_params, is_spec, param_specs
-from jaxllm.model.transformer import forward
+from jaxllm.model.decoder import Decoder, forward, param_specs
+from jaxllm.model.params import ParamSpec, is_spec, params_of
 from jaxllm.parallel.pipeline import Schedule, schedule_of, split_microbatches
 from jaxllm.parallel.rules import OPTIMIZER_RULES, RULES, logical_spec, tree_shardings
 from jaxllm.train.optim import learning_rate, make_optimizer
@@ -64,13 +65,17 @@ def _abstract(spec: ParamSpec) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(spec.shape, jnp.float32)
 
 
+def init_params(cfg: ml_collections.ConfigDict) -> dict:
+    """The decoder's initial params with the run's seed, in the run's pipeline view."""
+    return params_of(Decoder(cfg.model, rngs=nnx.Rngs(cfg.train.seed), schedule=schedule_of(cfg)))
+
+
 def init_state(cfg: ml_collections.ConfigDict, mesh: Mesh) -> State:
     """Initialises params and optimizer state directly into their shardings."""
-    specs = param_specs(cfg.model, schedule_of(cfg))
     optimizer = make_optimizer(cfg.train)
 
     def init() -> State:
-        params = init_params(specs, cfg.train.seed, jnp.dtype(cfg.model.param_dtype))
+        params = init_params(cfg)
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
 
     return jax.jit(init, out_shardings=state_shardings(cfg, mesh))()

@@ -1,0 +1,100 @@
+"""The decoder's blocks as Flax NNX modules: `Norm`, `Attention` (a group's shared QKV projection),
+`FeedForward` and `DecoderLayer`.
+
+Each module declares its weights once (shape, logical axes, initialiser) and is built *stacked*:
+the `stack` dims lead every weight, one per group and per layer of a group, so one module holds
+the whole depth and the decoder scans over it. Applied to one slice (a group's or a layer's
+values), a module computes that group or layer. The arithmetic lives in `layers` as functions over
+arrays; tensor parallelism wraps those functions, so modules hand it arrays, never Variables.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import ml_collections
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxllm.config import head_dim, num_kv_heads
+from jaxllm.model import layers
+from jaxllm.model.params import declare, params_of, value_axes
+from jaxllm.parallel.rules import constrain
+from jaxllm.parallel.tensor_parallel import tensor_parallel
+
+Stack = tuple[tuple[int, ...], tuple[str, ...]]  # leading (sizes, logical axis names)
+UNSTACKED: Stack = ((), ())
+
+
+def _residual_std(model: ml_collections.ConfigDict) -> float:
+    """Scaled init of the projections that write into the residual stream (GPT-2)."""
+    return model.init_std / (2 * model.num_layers) ** 0.5
+
+
+class Norm(nnx.Module):
+    """RMSNorm or LayerNorm (with a bias), computed in fp32."""
+
+    def __init__(self, model: ml_collections.ConfigDict, stack: Stack = UNSTACKED):
+        (lead, lead_axes), h = stack, model.hidden
+        self.kind, self.eps = model.norm, model.norm_eps
+        self.scale = declare((*lead, h), (*lead_axes, "embed"), model.param_dtype, "ones")
+        if model.norm == "layernorm":
+            self.bias = declare((*lead, h), (*lead_axes, "embed"), model.param_dtype, "zeros")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return layers.norm(x, params_of(self), self.kind, self.eps)
+
+
+class Attention(nnx.Module):
+    """A group's one QKV projection; every layer of the group applies it to its own input, then
+    attends and projects out with the layer's own output projection."""
+
+    def __init__(self, model: ml_collections.ConfigDict, stack: Stack = UNSTACKED):
+        (lead, lead_axes), h, hd, dt = stack, model.hidden, head_dim(model), model.param_dtype
+        kv, std = num_kv_heads(model), model.init_std
+        self.q = declare((*lead, h, model.num_heads, hd), (*lead_axes, "embed", "heads", "head_dim"), dt, std=std)
+        self.k = declare((*lead, h, kv, hd), (*lead_axes, "embed", "kv_heads", "head_dim"), dt, std=std)
+        self.v = declare((*lead, h, kv, hd), (*lead_axes, "embed", "kv_heads", "head_dim"), dt, std=std)
+
+    def __call__(self, x: jax.Array, o_proj: nnx.Param, ctx: layers.Context) -> jax.Array:
+        attend = tensor_parallel(layers.attention, (), value_axes(self), value_axes(o_proj), (), ())
+        return attend(x, params_of(self), o_proj.get_value(), ctx.rope, ctx.mask)
+
+
+class FeedForward(nnx.Module):
+    """GLU (SwiGLU / GeGLU) or plain GELU MLP."""
+
+    def __init__(self, model: ml_collections.ConfigDict, stack: Stack = UNSTACKED):
+        (lead, lead_axes), h, m, dt = stack, model.hidden, model.mlp, model.param_dtype
+        self.activation = model.mlp_activation
+        self.up = declare((*lead, h, m), (*lead_axes, "embed", "mlp"), dt, std=model.init_std)
+        self.down = declare((*lead, m, h), (*lead_axes, "mlp", "embed"), dt, std=_residual_std(model))
+        if model.mlp_activation in ("swiglu", "geglu"):
+            self.gate = declare((*lead, h, m), (*lead_axes, "embed", "mlp"), dt, std=model.init_std)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        run = tensor_parallel(partial(layers.feed_forward, activation=self.activation), (), value_axes(self))
+        return run(x, params_of(self))
+
+
+class DecoderLayer(nnx.Module):
+    """One pre-norm layer; its group's `Attention` comes in as an argument (shared by structure)."""
+
+    def __init__(self, model: ml_collections.ConfigDict, stack: Stack = UNSTACKED):
+        (lead, lead_axes), h = stack, model.hidden
+        self.attn_norm = Norm(model, stack)
+        self.o_proj = declare(
+            (*lead, model.num_heads, head_dim(model), h),
+            (*lead_axes, "heads", "head_dim", "embed"),
+            model.param_dtype,
+            std=_residual_std(model),
+        )
+        self.mlp_norm = Norm(model, stack)
+        self.mlp = FeedForward(model, stack)
+
+    def __call__(self, x: jax.Array, qkv: Attention, ctx: layers.Context) -> jax.Array:
+        x = checkpoint_name(x, "layer_input")
+        x = x + qkv(self.attn_norm(x), self.o_proj, ctx)
+        x = x + checkpoint_name(self.mlp(self.mlp_norm(x)), "mlp_out")
+        return constrain(x, "batch", "seq", "act_embed")

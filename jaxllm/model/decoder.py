@@ -1,0 +1,197 @@
+"""The decoder as Flax NNX modules: embedding → scanned stack of shared-QKV layer groups → final
+norm → LM head.
+
+`Decoder` holds every layer group stacked in one `LayerGroup` (leading dim: the group, or with a
+pipeline schedule [repeats, stages, groups per stage]). Its forward pass crosses each JAX boundary
+(`lax.scan` over groups, `jax.checkpoint` per layer or group, the pipeline's `shard_map`) with the
+plain dict of the slice it needs and rebinds that dict to the module's graph inside: no NNX
+transforms, and compile time does not grow with depth.
+
+    model = Decoder(cfg.model, rngs=nnx.Rngs(0))   # the trainer's init with seed 0
+    logits = model(tokens)                          # no mesh needed
+    params = params_of(model)                       # the plain dict checkpoints hold
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from jaxllm.config import head_dim, padded_vocab
+from jaxllm.model import layers
+from jaxllm.model.blocks import Attention, DecoderLayer, Norm, Stack
+from jaxllm.model.params import Params, declare, init_params, is_norm, params_of, specs_of
+from jaxllm.parallel.pipeline import Schedule, pipeline_stack
+from jaxllm.parallel.rules import AXIS_RULES, constrain
+
+# Activations that the 'selective' policy keeps (and 'offload' moves to host) instead of recomputing.
+SAVED_NAMES = ("layer_input", "qkv_proj", "attn_out", "mlp_in", "mlp_out")
+
+
+def _remat_wrappers(policy: str) -> tuple[Callable, Callable]:
+    """(layer wrapper, group wrapper) implementing a named remat policy."""
+    cp = jax.checkpoint_policies
+    layer_policies = {
+        "full": cp.nothing_saveable,
+        "selective": cp.save_only_these_names(*SAVED_NAMES),
+        "dots": cp.checkpoint_dots,
+        "offload": cp.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=list(SAVED_NAMES),
+            offload_src="device",
+            offload_dst="pinned_host",
+        ),
+    }
+
+    def keep(f):
+        return f
+
+    if policy == "none":
+        return keep, keep
+    if policy == "group":
+        return keep, partial(jax.checkpoint, policy=cp.nothing_saveable)
+    return partial(jax.checkpoint, policy=layer_policies[policy]), keep
+
+
+def _frozen(model: ml_collections.ConfigDict) -> ml_collections.FrozenConfigDict:
+    """Modules keep the model settings as static (hashable) graph data."""
+    return ml_collections.FrozenConfigDict(model)
+
+
+class LayerGroup(nnx.Module):
+    """`qkv_share_every` consecutive layers and the one QKV projection (`Attention`) they all apply."""
+
+    def __init__(self, model: ml_collections.ConfigDict, stack: Stack = ((), ())):
+        (lead, lead_axes), model = stack, _frozen(model)
+        self.remat, self.size = model.remat, model.qkv_share_every
+        self.qkv = Attention(model, stack)
+        self.layers = DecoderLayer(model, ((*lead, self.size), (*lead_axes, "sublayers")))
+
+    def __call__(self, x: jax.Array, ctx: layers.Context) -> jax.Array:
+        """One group: its QKV unstacked, its layers stacked on the leading dim."""
+        wrap_layer, _ = _remat_wrappers(self.remat)
+        qkv_graph, layer_graph = nnx.graphdef(self.qkv), nnx.graphdef(self.layers)
+
+        @wrap_layer
+        def layer(x, qkv: Params, params: Params, ctx):
+            return nnx.merge(layer_graph, params)(x, nnx.merge(qkv_graph, qkv), ctx)
+
+        qkv, stacked = params_of(self.qkv), params_of(self.layers)
+        for i in range(self.size):
+            x = layer(x, qkv, jax.tree.map(lambda a, i=i: a[i], stacked), ctx)
+        return x
+
+
+def scan_groups(graph: nnx.GraphDef, remat: str, groups: Params, x: jax.Array, ctx: layers.Context) -> jax.Array:
+    """Applies stacked groups (a `LayerGroup` graph, params with a leading group dim) in order."""
+    _, wrap_group = _remat_wrappers(remat)
+    body = wrap_group(lambda x, params, ctx: nnx.merge(graph, params)(x, ctx))
+    x, _ = jax.lax.scan(lambda carry, params: (body(carry, params, ctx), None), x, groups)
+    return x
+
+
+class Decoder(nnx.Module):
+    """Decoder-only LM. Initial values are a pure function of the seed in `rngs` (its `params`
+    stream's key) and each parameter's path: `Decoder(model, rngs=nnx.Rngs(s))` holds exactly the
+    trainer's init with seed `s`, on any mesh, whatever RNG draws came before."""
+
+    def __init__(self, model: ml_collections.ConfigDict, *, rngs: nnx.Rngs, schedule: Schedule | None = None):
+        model = _frozen(model)
+        self.model, self.schedule = model, schedule
+        vocab, h, dt, std = padded_vocab(model), model.hidden, model.param_dtype, model.init_std
+        self.embed = declare((vocab, h), ("vocab", "embed"), dt, std=std)
+        groups = model.num_layers // model.qkv_share_every
+        if schedule is None:
+            stack = ((groups,), ("layers",))
+        else:
+            r, s = schedule.repeats, schedule.stages
+            stack = ((r, s, groups // (r * s)), ("repeats", "stages", "layers"))
+        self.groups = LayerGroup(model, stack)
+        self.final_norm = Norm(model)
+        if not model.tie_embeddings:
+            self.lm_head = declare((h, vocab), ("embed", "vocab"), dt, std=std)
+        nnx.update(self, init_params(specs_of(self), rngs.params.key.get_value(), jnp.dtype(dt)))
+
+    @classmethod
+    def from_params(cls, model: ml_collections.ConfigDict, params: Params, schedule: Schedule | None = None) -> Decoder:
+        """The module holding `params` (a plain dict, e.g. from a checkpoint or an export)."""
+        decoder = abstract_decoder(model, schedule)
+        _check_matches(specs_of(decoder), params)
+        nnx.update(decoder, params)
+        return decoder
+
+    def __call__(
+        self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
+    ) -> jax.Array:
+        """fp32 logits [batch, seq, padded_vocab]; padded vocab entries are masked to NEG_INF."""
+        model = self.model
+        dt = jnp.dtype(model.dtype)
+        ctx = layers.make_context(tokens, segment_ids, positions, head_dim(model), model.rope_theta)
+        # Gather the table's FSDP shards first (as for any weight), then look up vocab-sharded rows.
+        table = constrain(self.embed.get_value(), "vocab", None).astype(dt)
+        x = constrain(jnp.take(table, tokens, axis=0), "batch", "seq", "act_embed")
+        x = self._stack(x, ctx)
+        x = self.final_norm(x)
+        head = self.embed.get_value().T if model.tie_embeddings else self.lm_head.get_value()
+        logits = jnp.einsum("bte,ev->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
+        logits = constrain(logits, "batch", "seq", "vocab")
+        return jnp.where(jnp.arange(padded_vocab(model)) < model.vocab_size, logits, layers.NEG_INF)
+
+    def _stack(self, x: jax.Array, ctx: layers.Context) -> jax.Array:
+        graph, groups = nnx.graphdef(self.groups), params_of(self.groups)
+        run = partial(scan_groups, graph, self.model.remat)
+        if self.schedule is None:
+            return run(groups, x, ctx)
+        # Cast before the pipeline's one FSDP gather, so it moves compute-dtype bytes.
+        dt = jnp.dtype(self.model.dtype)
+        groups = jax.tree_util.tree_map_with_path(lambda p, a: a if is_norm(p) else a.astype(dt), groups)
+        return pipeline_stack(groups, specs_of(self.groups), x, ctx, self.schedule, run)
+
+
+def _check_matches(specs: dict, params: Params) -> None:
+    """Names every parameter that is missing, unexpected or of another shape."""
+    want = {jax.tree_util.keystr(p, simple=True, separator="/"): s.shape for p, s in _leaves(specs)}
+    got = {jax.tree_util.keystr(p, simple=True, separator="/"): tuple(a.shape) for p, a in _leaves(params)}
+    problems = [f"missing {k}" for k in want.keys() - got.keys()]
+    problems += [f"unexpected {k}" for k in got.keys() - want.keys()]
+    problems += [f"{k} has shape {got[k]}, the model needs {want[k]}" for k in want.keys() & got.keys()
+                 if got[k] != want[k]]  # fmt: skip
+    if problems:
+        raise ValueError(
+            "params do not fit this model config: " + "; ".join(sorted(problems)) + ". Pass the config they were "
+            "saved with (an export's config.json, a checkpoint's meta) and the same pipeline schedule or none"
+        )
+
+
+def _leaves(tree) -> list:
+    return jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))
+
+
+def abstract_decoder(model: ml_collections.ConfigDict, schedule: Schedule | None = None) -> Decoder:
+    """The decoder with shapes for values, nothing computed; under a mesh, each value also carries
+    its sharding by the rules table."""
+    with nnx.logical_axis_rules(AXIS_RULES):
+        return nnx.eval_shape(lambda: Decoder(model, rngs=nnx.Rngs(0), schedule=schedule))
+
+
+def param_specs(model: ml_collections.ConfigDict, schedule: Schedule | None = None) -> dict:
+    """Shapes, logical axes and initialisers of every parameter, read from the modules."""
+    return specs_of(abstract_decoder(model, schedule))
+
+
+def forward(
+    params: Params,
+    tokens: jax.Array,
+    model: ml_collections.ConfigDict,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    schedule: Schedule | None = None,
+) -> jax.Array:
+    """The decoder on a plain params dict (the train state's). With a pipeline `schedule`, params
+    hold the groups in its view (see `Decoder`)."""
+    return Decoder.from_params(model, params, schedule)(tokens, segment_ids, positions)

@@ -1,0 +1,38 @@
+"""Megatron-style tensor parallelism: a block runs on each `tensor` shard of its weights (QKV, gate,
+up column-parallel; out, down row-parallel) and ends in one all-reduce. Model code names only
+logical axes; this module alone knows they map to the `tensor` mesh axis."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from jaxllm.parallel.collectives import all_reduce_sum, to_varying
+from jaxllm.parallel.rules import manual_spec
+
+
+def _is_axes(x: Any) -> bool:
+    return isinstance(x, tuple)
+
+
+def tensor_parallel(fn: Callable, *arg_axes: Any) -> Callable:
+    """`fn(x, *args)` on this device's `tensor` shard, its partial outputs all-reduced.
+
+    `arg_axes` gives, per argument, the logical axis names of each array (a pytree of tuples; `()`
+    for a replicated argument). Built per trace, as shard_map binds the mesh in context at its
+    first call. Inside a region already manual over `tensor` (the pipeline) it needs no shard_map;
+    without a mesh or without tensor parallelism `fn` runs as is.
+    """
+
+    def summed(x, *args):
+        return all_reduce_sum(fn(to_varying(x, "tensor"), *args), "tensor")
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if "tensor" in mesh.manual_axes:
+        return summed
+    if mesh.shape.get("tensor", 1) == 1:
+        return fn
+    in_specs = tuple(jax.tree.map(lambda axes: manual_spec(*axes), a, is_leaf=_is_axes) for a in arg_axes)
+    return jax.shard_map(summed, in_specs=in_specs, out_specs=jax.sharding.PartitionSpec(), axis_names={"tensor"})

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, in one short run: train-step MFU per remat policy and the compiler's
+# memory estimate against the measured peak (scripts/bench_gpu.py). Packages the GPU image lacks come
+# as wheels in .whl/ (see README, "Benchmarks"); results go to $OUT when set, else to stdout only.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ -d .whl ]; then
+    rm -rf /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+python3 scripts/bench_gpu.py "$@" 2>&1 | tee "${OUT:-/tmp}/bench_gpu.txt"
