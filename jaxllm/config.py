@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import pathlib
@@ -9,13 +10,15 @@ import pathlib
 import ml_collections
 from ml_collections.config_dict import placeholder
 
+from jaxllm.errors import JaxllmError
+
 NORMS = ("rmsnorm", "layernorm")
 MLP_ACTIVATIONS = ("swiglu", "geglu", "gelu")
 REMAT_POLICIES = ("none", "full", "group", "selective", "dots", "offload")
 MESH_AXES = ("data", "fsdp", "stage", "tensor")
 
 
-class ConfigError(ValueError):
+class ConfigError(JaxllmError):
     """A setting that cannot work; the message says which field and how to fix it."""
 
 
@@ -29,7 +32,7 @@ def base_config() -> ml_collections.ConfigDict:
         num_kv_heads=placeholder(int),  # None: same as num_heads (MHA)
         head_dim=placeholder(int),  # None: hidden // num_heads
         mlp=384,
-        vocab_size=257,
+        vocab_size=4096,  # the default data.bpe_vocab_size
         vocab_pad_multiple=128,
         max_seq_len=2048,
         qkv_share_every=4,
@@ -102,17 +105,29 @@ def load_config(path: str | pathlib.Path) -> ml_collections.ConfigDict:
     return module.get_config()
 
 
-def num_kv_heads(model: ml_collections.ConfigDict) -> int:
-    return model.num_kv_heads or model.num_heads
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """The sizes that follow from `config.model`, computed here and nowhere else."""
+
+    head_dim: int
+    kv_heads: int
+    groups: int  # QKV groups: num_layers / qkv_share_every
+    padded_vocab: int  # vocab_size rounded up to vocab_pad_multiple, never to a mesh size
+    gated: bool  # a GLU (SwiGLU, GeGLU): a gate matrix beside up and down
+    ffn_matrices: int
 
 
-def head_dim(model: ml_collections.ConfigDict) -> int:
-    return model.head_dim or model.hidden // model.num_heads
-
-
-def padded_vocab(model: ml_collections.ConfigDict) -> int:
-    m = model.vocab_pad_multiple
-    return -(-model.vocab_size // m) * m
+def sizes(model: ml_collections.ConfigDict) -> Sizes:
+    gated = model.mlp_activation in ("swiglu", "geglu")
+    pad = model.vocab_pad_multiple
+    return Sizes(
+        head_dim=model.head_dim or model.hidden // model.num_heads,
+        kv_heads=model.num_kv_heads or model.num_heads,
+        groups=model.num_layers // model.qkv_share_every,
+        padded_vocab=-(-model.vocab_size // pad) * pad,
+        gated=gated,
+        ffn_matrices=3 if gated else 2,
+    )
 
 
 def mesh_shape(parallel: ml_collections.ConfigDict, num_devices: int) -> tuple[int, ...]:
@@ -155,7 +170,7 @@ def _validate_pipeline(m: ml_collections.ConfigDict, p: ml_collections.ConfigDic
         f"parallel.microbatches={p.microbatches} < parallel.stage={stage}: a pipeline needs at least one "
         f"microbatch per stage; set microbatches >= {stage} (more shrink the bubble)",
     )
-    groups = m.num_layers // m.qkv_share_every
+    groups = sizes(m).groups
     if groups % (stage * p.repeats):
         stages = [s for s in range(2, groups + 1) if groups % (s * p.repeats) == 0]
         raise ConfigError(
@@ -168,7 +183,7 @@ def _validate_pipeline(m: ml_collections.ConfigDict, p: ml_collections.ConfigDic
 
 def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[int, ...]:
     """Checks the whole config before any work; returns the resolved mesh shape."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
+    m, p, t, c = cfg.model, cfg.parallel, cfg.train, cfg.checkpoint
     _require(m.norm in NORMS, f"model.norm={m.norm!r} is unknown; use one of {NORMS}")
     _require(
         m.mlp_activation in MLP_ACTIVATIONS,
@@ -180,7 +195,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[int, ...
         f"model.num_layers={m.num_layers} is not divisible by model.qkv_share_every={m.qkv_share_every}; "
         f"use a multiple of {m.qkv_share_every} layers or another qkv_share_every",
     )
-    kv = num_kv_heads(m)
+    kv = sizes(m).kv_heads
     _require(
         m.num_heads % kv == 0,
         f"model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads={kv}; "
@@ -195,8 +210,20 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[int, ...
         ("train.grad_accum_steps", t.grad_accum_steps), ("train.log_every", t.log_every),
         ("train.sample_tokens", t.sample_tokens), ("data.eval_every", cfg.data.eval_every),
         ("data.eval_batches", cfg.data.eval_batches), ("model.vocab_pad_multiple", m.vocab_pad_multiple),
+        ("checkpoint.keep", c.keep), ("checkpoint.max_bad_steps", c.max_bad_steps),
     ):  # fmt: skip
         _require(value >= 1, f"{field}={value} must be at least 1")
+    for field, value in (
+        ("checkpoint.every_steps", c.every_steps), ("checkpoint.every_minutes", c.every_minutes),
+        ("checkpoint.keep_every", c.keep_every),
+    ):  # fmt: skip
+        _require(value >= 0, f"{field}={value} must be at least 0 (0 turns it off)")
+    _require(
+        cfg.data.tokenizer != "bpe" or cfg.data.bpe_vocab_size <= m.vocab_size,
+        f"data.bpe_vocab_size={cfg.data.bpe_vocab_size} exceeds model.vocab_size={m.vocab_size}: the trained "
+        f"tokenizer's ids must fit the embedding; set model.vocab_size={cfg.data.bpe_vocab_size} or a smaller "
+        "data.bpe_vocab_size",
+    )
     _require(bool(t.sample_prompt), "train.sample_prompt is empty; give the end-of-training sample a prompt")
     shape = mesh_shape(p, num_devices)
     data, fsdp, stage, tensor = shape
@@ -204,7 +231,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[int, ...
         ("model.num_heads", m.num_heads),
         ("model.num_kv_heads", kv),
         ("model.mlp", m.mlp),
-        ("padded vocab (model.vocab_size rounded up to model.vocab_pad_multiple)", padded_vocab(m)),
+        ("padded vocab (model.vocab_size rounded up to model.vocab_pad_multiple)", sizes(m).padded_vocab),
     ):
         _require(
             value % tensor == 0,

@@ -7,22 +7,20 @@ from __future__ import annotations
 
 import ml_collections
 
-from jaxllm.config import head_dim, num_kv_heads, padded_vocab
-from jaxllm.parallel.pipeline import schedule_of
+from jaxllm.config import sizes
+from jaxllm.parallel.schedule import schedule_of
 
 
 def param_counts(model: ml_collections.ConfigDict) -> dict[str, int]:
     """Stored parameters by component (no biases; LayerNorm adds one bias per scale)."""
-    h, nh, kv, hd, m = model.hidden, model.num_heads, num_kv_heads(model), head_dim(model), model.mlp
-    layers, groups, vocab = model.num_layers, model.num_layers // model.qkv_share_every, padded_vocab(model)
+    s, h, nh, m, layers = sizes(model), model.hidden, model.num_heads, model.mlp, model.num_layers
     norm = h * (2 if model.norm == "layernorm" else 1)
-    ffn_mats = 2 if model.mlp_activation == "gelu" else 3
     counts = {
-        "embedding": vocab * h,
-        "lm_head": 0 if model.tie_embeddings else h * vocab,
-        "qkv (shared per group)": groups * h * (nh + 2 * kv) * hd,
-        "attention out": layers * nh * hd * h,
-        "feed-forward": layers * ffn_mats * h * m,
+        "embedding": s.padded_vocab * h,
+        "lm_head": 0 if model.tie_embeddings else h * s.padded_vocab,
+        "qkv (shared per group)": s.groups * h * (nh + 2 * s.kv_heads) * s.head_dim,
+        "attention out": layers * nh * s.head_dim * h,
+        "feed-forward": layers * s.ffn_matrices * h * m,
         "norms": (2 * layers + 1) * norm,
     }
     counts["total"] = sum(counts.values())
@@ -32,16 +30,15 @@ def param_counts(model: ml_collections.ConfigDict) -> dict[str, int]:
 def applied_matmul_params(model: ml_collections.ConfigDict) -> int:
     """Weights each token is multiplied by: the shared QKV counts once per layer that applies it,
     and the LM head counts even when tied (the lookup table does not)."""
-    h, nh, kv, hd, m = model.hidden, model.num_heads, num_kv_heads(model), head_dim(model), model.mlp
-    ffn_mats = 2 if model.mlp_activation == "gelu" else 3
-    per_layer = h * (nh + 2 * kv) * hd + nh * hd * h + ffn_mats * h * m
-    return model.num_layers * per_layer + h * padded_vocab(model)
+    s, h, nh = sizes(model), model.hidden, model.num_heads
+    per_layer = h * (nh + 2 * s.kv_heads) * s.head_dim + nh * s.head_dim * h + s.ffn_matrices * h * model.mlp
+    return model.num_layers * per_layer + h * s.padded_vocab
 
 
 def flops_per_token(model: ml_collections.ConfigDict, seq_len: int) -> float:
     """Model FLOPs of one training token (forward + backward): 6 × applied matmul weights plus
     causal attention, 6·layers·heads·head_dim·seq (half of the full 12·L·H·D·T)."""
-    attention = 6 * model.num_layers * model.num_heads * head_dim(model) * seq_len
+    attention = 6 * model.num_layers * model.num_heads * sizes(model).head_dim * seq_len
     return 6 * applied_matmul_params(model) + attention
 
 
@@ -64,5 +61,6 @@ if __name__ == "__main__":
     from absl import app
 
     from jaxllm.cli import CONFIG
+    from jaxllm.errors import exit_on_error
 
-    app.run(lambda argv: print(summary(CONFIG.value)))
+    app.run(exit_on_error(lambda argv: print(summary(CONFIG.value))))

@@ -14,8 +14,8 @@ import jax
 
 from jaxllm.config import base_config
 from jaxllm.parallel.mesh import make_mesh
-from jaxllm.train.checkpoint import Checkpointer
-from jaxllm.train.step import init_state
+from jaxllm.train.run import build_run  # noqa: E402
+from jaxllm.train.step import init_state  # noqa: E402
 
 
 def main() -> None:
@@ -28,10 +28,11 @@ def main() -> None:
     mesh = make_mesh(cfg.parallel, jax.devices()[:1])
     shutil.rmtree(args.dir, ignore_errors=True)
     with jax.set_mesh(mesh):
-        state = jax.block_until_ready(init_state(cfg, mesh))
+        run = build_run(cfg, mesh)
+        state = jax.block_until_ready(init_state(run))
         params = sum(x.nbytes for x in jax.tree.leaves(state["params"]))
         total = sum(x.nbytes for x in jax.tree.leaves(state))
-        checkpoints = Checkpointer(args.dir, cfg, mesh)
+        checkpoints = run.checkpointer(args.dir)
         start = time.perf_counter()
         checkpoints.save(1, state, {"next_index": 1})
         blocked = time.perf_counter() - start
@@ -39,7 +40,7 @@ def main() -> None:
         written = time.perf_counter() - start
         checkpoints.close()
         start = time.perf_counter()
-        restored = Checkpointer(args.dir, cfg, mesh).restore_latest()
+        restored = run.checkpointer(args.dir).restore_latest()
         jax.block_until_ready(restored.state)
         restore = time.perf_counter() - start
     print(f"state: {params / 1e6:.0f} MB of params, {total / 1e6:.0f} MB with Adam moments")

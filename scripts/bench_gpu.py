@@ -21,7 +21,8 @@ from jaxllm import plan
 from jaxllm.config import load_config, validate
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.train.metrics import measure_matmul_peak, peak_flops
-from jaxllm.train.step import batch_sharding, compile_train_step, init_state
+from jaxllm.train.run import build_run  # noqa: E402
+from jaxllm.train.step import compile_train_step, init_state  # noqa: E402
 
 
 def run(cfg, steps: int) -> dict:
@@ -29,13 +30,14 @@ def run(cfg, steps: int) -> dict:
     t = cfg.train
     rng = np.random.default_rng(0)
     with jax.set_mesh(mesh):
-        state = init_state(cfg, mesh)
+        run = build_run(cfg, mesh)
+        state = init_state(run)
         batches = []
         for _ in range(steps + 2):
             w = rng.integers(0, cfg.model.vocab_size, (t.batch_size, t.seq_len + 1)).astype(np.int32)
-            batches.append(jax.device_put({"inputs": w[:, :-1], "targets": w[:, 1:]}, batch_sharding(mesh)))
+            batches.append(jax.device_put({"inputs": w[:, :-1], "targets": w[:, 1:]}, run.batch_sharding))
         start = time.perf_counter()
-        compiled = compile_train_step(cfg, mesh).lower(state, batches[0]).compile()
+        compiled = compile_train_step(run).lower(state, batches[0]).compile()
         compile_s = time.perf_counter() - start
         mem = compiled.memory_analysis()
         for b in batches[:2]:  # warm-up

@@ -21,15 +21,10 @@ import jax  # noqa: E402
 import jax.extend  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxllm.config import base_config, padded_vocab  # noqa: E402
+from jaxllm.config import base_config, sizes  # noqa: E402
 from jaxllm.parallel.mesh import make_mesh  # noqa: E402
-from jaxllm.train.step import (  # noqa: E402
-    batch_sharding,
-    compile_train_step,
-    init_state,
-    state_shardings,  # noqa: E402
-    train_step,
-)
+from jaxllm.train.run import build_run  # noqa: E402
+from jaxllm.train.step import compile_train_step, init_state, train_step  # noqa: E402
 
 
 def matmul_flops(jaxpr: jax.extend.core.Jaxpr) -> float:
@@ -72,24 +67,26 @@ def _config(stages: int, microbatches: int, repeats: int, remat: str):
 def step_flops(cfg) -> float:
     mesh = make_mesh(cfg.parallel)
     with jax.set_mesh(mesh):
-        state = jax.eval_shape(lambda: init_state(cfg, mesh))
+        run = build_run(cfg, mesh)
+        state = jax.eval_shape(lambda: init_state(run))
         shape = (cfg.train.batch_size, cfg.train.seq_len)
         batch = {k: jax.ShapeDtypeStruct(shape, np.int32) for k in ("inputs", "targets")}
-        jaxpr = jax.make_jaxpr(lambda s, b: train_step(s, b, cfg, state_shardings(cfg, mesh)))(state, batch)
+        jaxpr = jax.make_jaxpr(lambda s, b: train_step(s, b, run))(state, batch)
     return matmul_flops(jaxpr.jaxpr)
 
 
 def head_flops(cfg) -> float:
     """LM head forward + backward, the same with or without a pipeline."""
-    return 6 * cfg.train.batch_size * cfg.train.seq_len * cfg.model.hidden * padded_vocab(cfg.model)
+    return 6 * cfg.train.batch_size * cfg.train.seq_len * cfg.model.hidden * sizes(cfg.model).padded_vocab
 
 
 def seconds_per_step(cfg, steps: int = 5) -> float:
     mesh = make_mesh(cfg.parallel)
     w = np.random.default_rng(0).integers(0, 257, (cfg.train.batch_size, cfg.train.seq_len + 1)).astype(np.int32)
     with jax.set_mesh(mesh):
-        state, step = init_state(cfg, mesh), compile_train_step(cfg, mesh)
-        batch = jax.device_put({"inputs": w[:, :-1], "targets": w[:, 1:]}, batch_sharding(mesh))
+        run = build_run(cfg, mesh)
+        state, step = init_state(run), compile_train_step(run)
+        batch = jax.device_put({"inputs": w[:, :-1], "targets": w[:, 1:]}, run.batch_sharding)
         state, metrics = step(state, batch)
         jax.block_until_ready(metrics)
         start = time.perf_counter()

@@ -26,7 +26,8 @@ from jaxllm.config import load_config  # noqa: E402
 from jaxllm.parallel.mesh import make_mesh  # noqa: E402
 from jaxllm.train.metrics import measure_matmul_peak  # noqa: E402
 from jaxllm.train.optim import make_optimizer  # noqa: E402
-from jaxllm.train.step import batch_sharding, compile_train_step, init_state  # noqa: E402
+from jaxllm.train.run import batch_sharding, build_run  # noqa: E402
+from jaxllm.train.step import compile_train_step, init_state  # noqa: E402
 
 
 def _batch(cfg, seed):
@@ -49,9 +50,10 @@ def throughput(cfg, mesh, steps: int) -> tuple[float, float]:
     """(jaxllm s/step, plain-JAX s/step) for the same model, batch and optimizer."""
     batches = [jax.device_put(_batch(cfg, i), batch_sharding(mesh)) for i in range(steps + 1)]
     with jax.set_mesh(mesh):
-        state = init_state(cfg, mesh)
+        run = build_run(cfg, mesh)
+        state = init_state(run)
         params = jax.device_get(state["params"])  # before the donating step consumes them
-        ours = _seconds_per_step(compile_train_step(cfg, mesh), state, batches)
+        ours = _seconds_per_step(compile_train_step(run), state, batches)
 
         optimizer = make_optimizer(cfg.train)
 
@@ -70,10 +72,11 @@ def compile_seconds(cfg, mesh, groups: int) -> float:
     cfg = cfg.copy_and_resolve_references()
     cfg.model.num_layers = groups * cfg.model.qkv_share_every
     with jax.set_mesh(mesh):
-        state = jax.eval_shape(lambda: init_state(cfg, mesh))
+        run = build_run(cfg, mesh)
+        state = jax.eval_shape(lambda: init_state(run))
         batch = jax.eval_shape(lambda: _batch(cfg, 0))
         start = time.perf_counter()
-        compile_train_step(cfg, mesh).lower(state, batch).compile()
+        compile_train_step(run).lower(state, batch).compile()
     return time.perf_counter() - start
 
 

@@ -36,6 +36,7 @@ def small_config(**model):
     )
     cfg.model.update(model)
     cfg.parallel.update(data=1, fsdp=1, stage=1, tensor=1)
+    cfg.data.bpe_vocab_size = 256
     cfg.train.update(steps=10, batch_size=16, seq_len=16, lr=1e-2, warmup_steps=1, log_every=1)
     return cfg
 

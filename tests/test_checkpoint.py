@@ -6,14 +6,18 @@ import subprocess
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import checkpoint_params, metrics, run, small_config, start_until_first_step, train_command
+from jax.sharding import PartitionSpec as P
 
+from jaxllm.checkpoint import CheckpointError, load_params
 from jaxllm.config import ConfigError
 from jaxllm.parallel.mesh import make_mesh
-from jaxllm.train.checkpoint import Checkpointer
-from jaxllm.train.step import batch_sharding, compile_train_step, init_state
+from jaxllm.train.loop import roll_back
+from jaxllm.train.run import batch_sharding, build_run
+from jaxllm.train.step import compile_train_step, init_state
 
 
 def _batch(cfg, i):
@@ -29,7 +33,7 @@ def _config(**parallel):
 
 def _steps(cfg, mesh, state, first, count):
     losses = []
-    step = compile_train_step(cfg, mesh)
+    step = compile_train_step(build_run(cfg, mesh))
     for i in range(first, first + count):
         state, metrics = step(state, jax.device_put(_batch(cfg, i), batch_sharding(mesh)))
         losses.append(float(metrics["loss"]))
@@ -39,7 +43,7 @@ def _steps(cfg, mesh, state, first, count):
 LAYOUTS = {
     "fsdp4 tensor2": dict(fsdp=4, tensor=2),
     "one device": dict(data=1),
-    "pipeline S2 data4": dict(stage=2, microbatches=2, data=4),
+    "pipeline S2 R2 data4": dict(stage=2, microbatches=2, repeats=2, data=4),
     "pipeline S4 R1 data2": dict(stage=4, microbatches=4, data=2),
 }
 
@@ -51,8 +55,8 @@ def saved(tmp_path_factory):
     cfg = _config(data=2, tensor=4)
     mesh = make_mesh(cfg.parallel)
     with jax.set_mesh(mesh):
-        state, _ = _steps(cfg, mesh, init_state(cfg, mesh), 0, 3)
-        checkpoints = Checkpointer(workdir, cfg, mesh)
+        state, _ = _steps(cfg, mesh, init_state(build_run(cfg, mesh)), 0, 3)
+        checkpoints = build_run(cfg, mesh).checkpointer(workdir)
         checkpoints.save(3, state, {"next_index": 3})
         checkpoints.close()
         _, after = _steps(cfg, mesh, state, 3, 2)
@@ -66,43 +70,107 @@ def test_restore_onto_another_layout_continues_the_same(saved, layout):
     devices = jax.devices()[:1] if layout == {"data": 1} else jax.devices()
     mesh = make_mesh(cfg.parallel, devices)
     with jax.set_mesh(mesh):
-        restored = Checkpointer(workdir, cfg, mesh).restore_latest()
+        restored = build_run(cfg, mesh).checkpointer(workdir).restore_latest()
         assert restored.step == 3 and restored.data_state == {"next_index": 3}
         _, losses = _steps(cfg, mesh, restored.state, 3, 2)
     np.testing.assert_allclose(losses, after, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "layout", [dict(stage=4, microbatches=4, data=2), dict(stage=2, microbatches=2, repeats=2, data=4)]
+)
+def test_pipelined_restore_target_takes_the_training_states_bytes_per_device(layout):
+    """The canonical state a pipelined run reads into is split over `stage` like the run's own,
+    never replicated over it (for 120B that would be ~83 GiB per device before the reshape)."""
+    cfg = _config(**layout)
+    run = build_run(cfg, make_mesh(cfg.parallel))
+
+    def per_device(shapes, shardings):
+        leaves = zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True)
+        return sum(np.prod(sh.shard_shape(s.shape)) * s.dtype.itemsize for s, sh in leaves)
+
+    training = jax.eval_shape(lambda: init_state(run))
+    assert per_device(run.canonical, jax.tree.map(lambda s: s.sharding, run.canonical)) == per_device(
+        training, run.shardings
+    )
+
+
+def test_params_only_restore_onto_another_mesh_in_another_dtype(saved):
+    workdir, _ = saved  # saved on data2×tensor4, in fp32
+    mesh = make_mesh(_config(fsdp=4, tensor=2).parallel)
+    cfg, params, step = load_params(workdir, mesh, dtype="bfloat16")
+    assert step == 3 and cfg.parallel.tensor == 4 and "opt_state" not in params
+    assert {a.dtype for a in jax.tree.leaves(params)} == {jnp.dtype("bfloat16")}
+    assert params["groups"]["layers"]["mlp"]["down"].sharding.spec == P(None, None, "tensor", "fsdp")
+    want = jax.tree.map(lambda a: a.astype(jnp.bfloat16), checkpoint_params(workdir, 3))
+    chex.assert_trees_all_equal(jax.device_get(params), want)
+
+
+def test_roll_back_reads_the_checkpoint_before_the_streak_and_frees_the_state(tmp_path):
+    """A bad streak that began at step 3: the checkpoint at 4 (saved during it) is passed over
+    for the one at 2, and the current state is freed before that one is read."""
+    cfg = _config(data=8)
+    mesh = make_mesh(cfg.parallel)
+    with jax.set_mesh(mesh):
+        run = build_run(cfg, mesh)
+        checkpoints = run.checkpointer(tmp_path)
+        state, _ = _steps(cfg, mesh, init_state(run), 0, 2)
+        checkpoints.save(2, state, {})
+        want = jax.device_get(state["params"])
+        state, _ = _steps(cfg, mesh, state, 2, 2)
+        checkpoints.save(4, state, {})
+        checkpoints.wait()
+        back, step = roll_back(checkpoints, state, before=3)
+        checkpoints.close()
+    assert step == 2 and int(back["step"]) == 4  # the step counter goes on
+    chex.assert_trees_all_equal(jax.device_get(back["params"]), want)
+    assert all(a.is_deleted() for a in jax.tree.leaves(state["params"]))
 
 
 def test_pipeline_checkpoint_restores_without_pipeline(tmp_path):
     pipelined, plain = _config(stage=2, microbatches=2, data=4), _config(data=8)
     mesh = make_mesh(pipelined.parallel)
     with jax.set_mesh(mesh):
-        state, _ = _steps(pipelined, mesh, init_state(pipelined, mesh), 0, 2)
-        checkpoints = Checkpointer(tmp_path, pipelined, mesh)
+        state, _ = _steps(pipelined, mesh, init_state(build_run(pipelined, mesh)), 0, 2)
+        checkpoints = build_run(pipelined, mesh).checkpointer(tmp_path)
         checkpoints.save(2, state, {})
         checkpoints.close()
         _, want = _steps(pipelined, mesh, state, 2, 2)
     mesh = make_mesh(plain.parallel)
     with jax.set_mesh(mesh):
-        restored = Checkpointer(tmp_path, plain, mesh).restore_latest()
+        restored = build_run(plain, mesh).checkpointer(tmp_path).restore_latest()
         _, got = _steps(plain, mesh, restored.state, 2, 2)
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
-def test_corrupt_latest_checkpoint_is_reported_and_passed_over(tmp_path, capsys):
+def _corrupt(step_dir):
+    for f in (step_dir / "state").rglob("*"):
+        if f.is_file() and f.stat().st_size > 1000:
+            f.write_bytes(b"\0" * 16)  # an unreadable array
+
+
+def test_corrupt_latest_checkpoint_is_reported_moved_aside_and_passed_over(tmp_path, capsys):
     cfg = _config(data=8)
     mesh = make_mesh(cfg.parallel)
+    directory = tmp_path / "checkpoints"
     with jax.set_mesh(mesh):
-        state = init_state(cfg, mesh)
-        checkpoints = Checkpointer(tmp_path, cfg, mesh)
+        run = build_run(cfg, mesh)
+        state = init_state(run)
+        checkpoints = run.checkpointer(tmp_path)
         checkpoints.save(2, state, {"next_index": 2})
         checkpoints.save(4, state, {"next_index": 4})
         checkpoints.close()
-        for f in (tmp_path / "checkpoints" / "4" / "state").rglob("*"):
-            if f.is_file() and f.stat().st_size > 1000:
-                f.write_bytes(b"\0" * 16)  # an unreadable array
-        restored = Checkpointer(tmp_path, cfg, mesh).restore_latest()
-    assert restored.step == 2
-    assert "checkpoint: step 4 is unreadable" in capsys.readouterr().out
+        _corrupt(directory / "4")
+        restored = run.checkpointer(tmp_path).restore_latest()
+        assert restored.step == 2
+        report = [line for line in capsys.readouterr().out.splitlines() if "step 4 is unreadable" in line]
+        assert len(report) == 1 and len(report[0]) < 400, report  # one line, not a TensorStore dump
+        assert (directory / "4.unreadable").is_dir() and not (directory / "4").exists()  # renamed, never deleted
+
+        _corrupt(directory / "2")  # none readable: refused, and nothing is moved
+        with pytest.raises(CheckpointError, match=r"none of the checkpoints \[2\]"):
+            run.checkpointer(tmp_path).restore_latest()
+        assert (directory / "2").is_dir()
 
 
 def test_incompatible_model_is_a_clear_error(saved):
@@ -111,7 +179,16 @@ def test_incompatible_model_is_a_clear_error(saved):
     cfg.model.hidden = 128
     mesh = make_mesh(cfg.parallel)
     with jax.set_mesh(mesh), pytest.raises(ConfigError, match=r"another model shape .*'hidden': \(64, 128\)"):
-        Checkpointer(workdir, cfg, mesh).restore_latest()
+        build_run(cfg, mesh).checkpointer(workdir).restore_latest()
+
+
+def test_explicit_defaults_are_the_same_model_shape(saved):
+    workdir, _ = saved
+    cfg = _config(data=8)
+    cfg.model.head_dim = cfg.model.hidden // cfg.model.num_heads  # saved as None: the same size
+    mesh = make_mesh(cfg.parallel)
+    with jax.set_mesh(mesh):
+        assert build_run(cfg, mesh).checkpointer(workdir).restore_latest().step == 3
 
 
 def _cli(workdir, *overrides, check=True):
@@ -131,20 +208,34 @@ def uninterrupted(tmp_path_factory):
     return workdir
 
 
+# (flags, step the resume restores): checkpoints fall every 4 steps.
 KILLS = {
-    "before the first checkpoint": ["--config.debug.kill_at_step=3"],
-    "between checkpoints": ["--config.debug.kill_at_step=6"],
-    "during an async save": ["--config.debug.kill_at_step=8", "--config.debug.kill_during_save=True"],
+    "before the first checkpoint": (["--config.debug.kill_at_step=3"], None),
+    # Checkpoints 4 and 8 hold different states; 8 is corrupted before the resume, which must move
+    # it aside, restore 4 and later save a new step 8.
+    "between checkpoints, latest corrupt": (["--config.debug.kill_at_step=9"], 4),
+    "during an async save": (["--config.debug.kill_at_step=8", "--config.debug.kill_during_save=True"], 4),
 }
 
 
-@pytest.mark.parametrize("kill", KILLS.values(), ids=KILLS.keys())
-def test_sigkill_and_resume_is_bit_identical(uninterrupted, kill):
-    workdir = uninterrupted.parent / ("killed" + kill[0].split("=")[-1])
+@pytest.mark.parametrize("kill,restores", KILLS.values(), ids=KILLS.keys())
+def test_sigkill_and_resume_is_bit_identical(uninterrupted, kill, restores):
+    workdir = uninterrupted.parent / ("killed" + "".join(k.split("=")[-1] for k in kill))
     proc = _cli(workdir, *kill, check=False)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    directory = workdir / "checkpoints"
+    if "--config.debug.kill_during_save=True" in kill:
+        assert list(directory.glob("8.orbax-checkpoint-tmp*")), "the kill should leave a partial save of step 8"
+    if "--config.debug.kill_at_step=9" in kill:
+        assert (directory / "4").is_dir()
+        _corrupt(directory / "8")
     resumed = _cli(workdir)
-    assert ("checkpoint: restored step" in resumed.stdout) == (kill != KILLS["before the first checkpoint"])
+    if restores is None:
+        assert "checkpoint: restored step" not in resumed.stdout
+    else:
+        assert f"checkpoint: restored step {restores} " in resumed.stdout
+    if "--config.debug.kill_at_step=9" in kill:
+        assert (directory / "8.unreadable").is_dir() and (directory / "8").is_dir()  # moved aside, saved anew
     assert _losses(workdir) == _losses(uninterrupted)  # bit-identical, and cut back to one clean run
     chex.assert_trees_all_equal(checkpoint_params(workdir, 12), checkpoint_params(uninterrupted, 12))
 

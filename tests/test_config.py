@@ -3,7 +3,7 @@
 import pytest
 from conftest import small_config
 
-from jaxllm.config import ConfigError, load_config, mesh_shape, validate
+from jaxllm.config import ConfigError, base_config, load_config, mesh_shape, validate
 
 CASES = {
     "layers vs qkv sharing": (
@@ -65,6 +65,12 @@ CASES = {
     "empty prompt": ({"train.sample_prompt": ""}, ["train.sample_prompt is empty"]),
     "repeats without pipeline": ({"parallel.repeats": 2}, ["parallel.repeats=2 needs a pipeline"]),
     "gqa ratio": ({"model.num_kv_heads": 3}, ["model.num_heads=8", "model.num_kv_heads=3"]),
+    "checkpoints kept": ({"checkpoint.keep": 0}, ["checkpoint.keep=0 must be at least 1"]),
+    "checkpoint cadence": ({"checkpoint.every_steps": -5}, ["checkpoint.every_steps=-5 must be at least 0"]),
+    "trained BPE vs vocab": (
+        {"data.bpe_vocab_size": 1024},
+        ["data.bpe_vocab_size=1024 exceeds model.vocab_size=257", "set model.vocab_size=1024"],
+    ),
 }
 
 
@@ -89,6 +95,10 @@ def test_valid_configs_resolve_their_mesh():
     assert mesh_shape(load_config("configs/tiny.py").parallel, 1) == (1, 1, 1, 1)
     for name in ("1b", "8b"):
         validate(load_config(f"configs/{name}.py"), 8)
+
+
+def test_the_defaults_alone_are_a_valid_config():
+    validate(base_config(), 1)
 
 
 def test_120b_layout_is_valid_on_64_devices():

@@ -7,12 +7,13 @@ import jax.numpy as jnp
 from conftest import small_config
 from flax import nnx
 
-from jaxllm.config import head_dim
+from jaxllm.config import sizes
 from jaxllm.model import Decoder
 from jaxllm.model.layers import make_context
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.rules import constrain
-from jaxllm.train.step import init_params, state_shardings
+from jaxllm.train.run import build_run
+from jaxllm.train.step import init_params
 
 
 def _count(hlo: str, op: str, *, backward: bool | None = None) -> int:
@@ -29,7 +30,7 @@ def _count(hlo: str, op: str, *, backward: bool | None = None) -> int:
 
 def _compiled_group(cfg, grad: bool) -> str:
     mesh = make_mesh(cfg.parallel)
-    groups_sharding = state_shardings(cfg, mesh)["params"]["groups"]
+    groups_sharding = build_run(cfg, mesh).shardings["params"]["groups"]
     group_sharding = jax.tree.map(
         lambda s: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*s.spec[1:])), groups_sharding
     )
@@ -41,7 +42,7 @@ def _compiled_group(cfg, grad: bool) -> str:
 
     def run(group, x):
         x = constrain(x, "batch", "seq", "act_embed")
-        ctx = make_context(tokens, None, None, head_dim(cfg.model), cfg.model.rope_theta)
+        ctx = make_context(tokens, None, None, sizes(cfg.model).head_dim, cfg.model.rope_theta)
         return nnx.merge(graph, group)(x, ctx).sum()
 
     with jax.set_mesh(mesh):

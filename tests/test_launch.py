@@ -13,7 +13,7 @@ import psutil
 import pytest
 from conftest import checkpoint_params, metrics, run, start_until_first_step, train_command
 
-from jaxllm.export import load_exported
+from jaxllm.checkpoint import load_params
 
 
 def _train_command(workdir):
@@ -82,6 +82,7 @@ def test_hung_worker_is_detected_within_the_timeout(tmp_path):
 def test_export_writes_params_for_serving(runs, tmp_path):
     single, _ = runs
     run([sys.executable, "-m", "jaxllm.export", "--workdir", str(single), "--out", str(tmp_path / "export")])
-    cfg, params = load_exported(tmp_path / "export")
-    assert cfg.model.hidden == 64 and "opt_state" not in params
+    cfg, params, step = load_params(tmp_path / "export")
+    assert step == 12 and "opt_state" not in params
+    assert (cfg.model.hidden, cfg.parallel.data, cfg.parallel.fsdp) == (64, 4, 2)  # the run's own config
     chex.assert_trees_all_equal(params, checkpoint_params(single, 12))

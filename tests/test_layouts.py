@@ -10,7 +10,8 @@ from conftest import small_config
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.parallel.mesh import make_mesh
-from jaxllm.train.step import batch_sharding, compile_train_step, init_params, init_state, mean_loss
+from jaxllm.train.run import batch_sharding, build_run
+from jaxllm.train.step import compile_train_step, init_params, init_state, mean_loss
 
 LAYOUTS = {
     "data8": dict(data=8),
@@ -34,11 +35,11 @@ def run_layout(layout: dict, steps: int = 3):
     devices = jax.devices() if math.prod(layout.values()) == 8 else jax.devices()[:1]
     mesh = make_mesh(cfg.parallel, devices)
     with jax.set_mesh(mesh):
-        state = init_state(cfg, mesh)
+        state = init_state(build_run(cfg, mesh))
         init = jax.device_get(state["params"])
         batch = jax.device_put(_batch(cfg), batch_sharding(mesh))
         loss, grads = jax.jit(jax.value_and_grad(lambda p, b: mean_loss(p, b, cfg.model)))(state["params"], batch)
-        step = compile_train_step(cfg, mesh)
+        step = compile_train_step(build_run(cfg, mesh))
         losses = []
         for _ in range(steps):  # the same batch each step, so the loss must fall
             state, metrics = step(state, batch)
@@ -96,7 +97,7 @@ def test_parameter_shardings_follow_the_rules():
     cfg.parallel.update(data=2, fsdp=2, tensor=2)
     mesh = make_mesh(cfg.parallel)
     with jax.set_mesh(mesh):
-        params = init_state(cfg, mesh)["params"]
+        params = init_state(build_run(cfg, mesh))["params"]
     flat = {
         jax.tree_util.keystr(k, simple=True, separator="/"): v for k, v in jax.tree_util.tree_leaves_with_path(params)
     }
@@ -117,7 +118,7 @@ def test_init_never_holds_a_whole_parameter():
     cfg.parallel.update(fsdp=4, tensor=2)
     mesh = make_mesh(cfg.parallel)
     with jax.set_mesh(mesh):
-        state = init_state(cfg, mesh)
+        state = init_state(build_run(cfg, mesh))
     for path, leaf in jax.tree_util.tree_leaves_with_path(state["params"]):
         assert leaf.addressable_shards[0].data.size < leaf.size, jax.tree_util.keystr(path)
     shardings = jax.tree.map(lambda a: a.sharding, state["params"])

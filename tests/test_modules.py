@@ -15,14 +15,15 @@ import pytest
 from conftest import ROOT, small_config
 from flax import nnx
 
+from jaxllm.checkpoint import load_params, saved_config
 from jaxllm.config import load_config
-from jaxllm.export import export, load_exported
+from jaxllm.export import export
 from jaxllm.model import Decoder, forward, params_of
 from jaxllm.parallel.mesh import make_mesh
-from jaxllm.parallel.pipeline import schedule_of
 from jaxllm.parallel.rules import AXIS_RULES
-from jaxllm.train.checkpoint import Checkpointer, saved_config
-from jaxllm.train.step import batch_sharding, compile_train_step, init_params, init_state, state_shardings
+from jaxllm.parallel.schedule import schedule_of
+from jaxllm.train.run import batch_sharding, build_run
+from jaxllm.train.step import compile_train_step, init_params, init_state
 
 FIXTURES = ROOT / "tests" / "fixtures"
 # Per-parameter SHA-256 prefixes of the initial values that the pre-module code (commit 2d23323)
@@ -71,7 +72,7 @@ def test_module_init_ignores_rng_counters_and_equals_the_sharded_trainer_init():
     cfg.parallel.update(data=2, fsdp=2)
     mesh = make_mesh(cfg.parallel)
     with jax.set_mesh(mesh):
-        sharded = jax.device_get(init_state(cfg, mesh)["params"])
+        sharded = jax.device_get(init_state(build_run(cfg, mesh))["params"])
     rngs = nnx.Rngs(cfg.train.seed)
     rngs.params(), rngs()  # draws before construction change no initial value
     module = Decoder(cfg.model, rngs=rngs, schedule=schedule_of(cfg))
@@ -114,7 +115,7 @@ def test_flax_partition_specs_under_our_rules_are_the_trainers():
     with nnx.logical_axis_rules(AXIS_RULES):
         flax_specs = nnx.get_partition_spec(nnx.state(module, nnx.Param))
     flax_specs = nnx.to_pure_dict(flax_specs)
-    trainer = state_shardings(cfg, make_mesh(cfg.parallel))["params"]
+    trainer = build_run(cfg, make_mesh(cfg.parallel)).shardings["params"]
     want = {k: _padded(s.spec, len(s.spec)) for k, s in _flat(trainer).items()}
     got = {k: _padded(s, len(want[k])) for k, s in _flat(flax_specs).items()}
     assert got == want
@@ -142,10 +143,10 @@ def test_checkpoint_written_before_the_modules_restores_and_continues(tmp_path):
     cfg = saved_config(workdir)
     mesh = make_mesh(cfg.parallel, jax.devices()[:4])
     with jax.set_mesh(mesh):
-        restored = Checkpointer(workdir, cfg, mesh).restore_latest()
+        restored = build_run(cfg, mesh).checkpointer(workdir).restore_latest()
         assert restored.step == 3
         restored_params = jax.device_get(restored.state["params"])  # before the step donates them
-        state, step, losses = restored.state, compile_train_step(cfg, mesh), []
+        state, step, losses = restored.state, compile_train_step(build_run(cfg, mesh)), []
         for i in (3, 4):  # the batches the fixture's trainer took next
             w = np.random.default_rng(i).integers(
                 0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len + 1)
@@ -157,7 +158,7 @@ def test_checkpoint_written_before_the_modules_restores_and_continues(tmp_path):
 
     # The same checkpoint through an export into a module, as serving will load it.
     export(workdir, tmp_path / "export")
-    exported_cfg, params = load_exported(tmp_path / "export")
+    exported_cfg, params, _ = load_params(tmp_path / "export")
     module = Decoder.from_params(exported_cfg.model, params)
     chex.assert_trees_all_equal(params_of(module), restored_params)
     tokens = jnp.arange(16).reshape(2, 8)

@@ -16,8 +16,9 @@ from reference_model import reference_loss
 from jaxllm import plan
 from jaxllm.config import load_config
 from jaxllm.parallel.mesh import make_mesh
-from jaxllm.parallel.pipeline import canonical_view, schedule_of
-from jaxllm.train.step import batch_sharding, compile_train_step, init_state, mean_loss, state_shardings
+from jaxllm.parallel.schedule import canonical_view, schedule_of
+from jaxllm.train.run import batch_sharding, build_run
+from jaxllm.train.step import compile_train_step, init_state, mean_loss
 
 # (stages, microbatches, repeats, other mesh axes[, remat]): covers M ∈ {S, 2S}, R ∈ {1, 2}, S ∈ {2, 4}
 # and the combined layouts.
@@ -50,7 +51,7 @@ def test_pipeline_matches_sequential_loop(case):
     mesh = make_mesh(cfg.parallel)
     batch = _batch(cfg)
     with jax.set_mesh(mesh):
-        state = init_state(cfg, mesh)
+        state = init_state(build_run(cfg, mesh))
         loss_fn = jax.jit(jax.value_and_grad(lambda p, b: mean_loss(p, b, cfg.model, schedule_of(cfg))))
         loss, grads = loss_fn(state["params"], jax.device_put(batch, batch_sharding(mesh)))
     params, grads = jax.device_get((state["params"], grads))
@@ -76,10 +77,10 @@ def test_pipeline_shifts_by_collective_permute_and_gathers_weights_before_the_lo
     cfg = _config(2, 4, 1, dict(fsdp=2, tensor=2, data=1))
     mesh = make_mesh(cfg.parallel)
     with jax.set_mesh(mesh):
-        params = jax.eval_shape(lambda: init_state(cfg, mesh))["params"]
+        params = jax.eval_shape(lambda: init_state(build_run(cfg, mesh)))["params"]
         grad_fn = jax.jit(
             jax.grad(lambda p, b: mean_loss(p, b, cfg.model, schedule_of(cfg))),
-            in_shardings=(state_shardings(cfg, mesh)["params"], batch_sharding(mesh)),
+            in_shardings=(build_run(cfg, mesh).shardings["params"], batch_sharding(mesh)),
         )
         hlo = grad_fn.lower(params, _batch(cfg)).compile().as_text()
     loops = _while_bodies(hlo)
@@ -106,8 +107,8 @@ def test_bf16_compute_trains_like_fp32(layout):
         cfg.parallel.update(layout)
         mesh = make_mesh(cfg.parallel)
         with jax.set_mesh(mesh):
-            state = init_state(cfg, mesh)
-            step = compile_train_step(cfg, mesh)
+            state = init_state(build_run(cfg, mesh))
+            step = compile_train_step(build_run(cfg, mesh))
             batch = jax.device_put(_batch(cfg), batch_sharding(mesh))
             losses[dtype] = [float(loss) for loss in _losses(step, state, batch, 2)]
     np.testing.assert_allclose(losses["bfloat16"], losses["float32"], rtol=2e-2)

@@ -8,7 +8,8 @@ from conftest import metrics, run, small_config, train_command
 
 from jaxllm.config import REMAT_POLICIES
 from jaxllm.parallel.mesh import make_mesh
-from jaxllm.train.step import batch_sharding, compile_train_step, init_state, mean_loss
+from jaxllm.train.run import batch_sharding, build_run
+from jaxllm.train.step import compile_train_step, init_state, mean_loss
 
 
 def _batch(cfg):
@@ -19,8 +20,10 @@ def _batch(cfg):
 def _one_step(cfg):
     mesh = make_mesh(cfg.parallel)
     with jax.set_mesh(mesh):
-        state = init_state(cfg, mesh)
-        state, metrics = compile_train_step(cfg, mesh)(state, jax.device_put(_batch(cfg), batch_sharding(mesh)))
+        state = init_state(build_run(cfg, mesh))
+        state, metrics = compile_train_step(build_run(cfg, mesh))(
+            state, jax.device_put(_batch(cfg), batch_sharding(mesh))
+        )
         return float(metrics["loss"]), float(metrics["grad_norm"]), jax.device_get(state["params"])
 
 
@@ -42,7 +45,7 @@ def test_remat_policies_give_the_same_gradients():
     mesh = make_mesh(cfg.parallel)
     results = {}
     with jax.set_mesh(mesh):
-        params = init_state(cfg, mesh)["params"]
+        params = init_state(build_run(cfg, mesh))["params"]
         batch = jax.device_put(_batch(cfg), batch_sharding(mesh))
         for policy in REMAT_POLICIES:
             cfg.model.remat = policy
@@ -102,9 +105,9 @@ def test_non_finite_step_leaves_params_and_optimizer_untouched():
     cfg.debug.nan_at_steps = (1,)
     mesh = make_mesh(cfg.parallel)
     with jax.set_mesh(mesh):
-        state = init_state(cfg, mesh)
+        state = init_state(build_run(cfg, mesh))
         before = jax.device_get({k: state[k] for k in ("params", "opt_state")})  # the step donates `state`
-        step = compile_train_step(cfg, mesh)
+        step = compile_train_step(build_run(cfg, mesh))
         batch = jax.device_put(_batch(cfg), batch_sharding(mesh))
         state, metrics = step(state, batch)
         assert int(metrics["skipped"]) == 1 and not np.isfinite(float(metrics["loss"]))

@@ -15,11 +15,13 @@ import pathlib
 import sysconfig
 from collections.abc import Iterator
 
+from jaxllm.errors import JaxllmError
+
 # Installed packages, test suites, and the codec tables in `encodings` (repetitive generated code).
 _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__", "encodings"}
 
 
-class CorpusError(ValueError):
+class CorpusError(JaxllmError):
     """Inputs that cannot be read; the message names the file or pattern and the fix."""
 
 

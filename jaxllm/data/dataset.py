@@ -12,9 +12,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxllm.config import ConfigError
-from jaxllm.data.corpus import CorpusError, read_documents, resolve_inputs
+from jaxllm.data.corpus import read_documents, resolve_inputs
 from jaxllm.data.prepare import prepare, read_meta
-from jaxllm.data.tokenizer import Tokenizer, TokenizerError, get_tokenizer, train_bpe
+from jaxllm.data.tokenizer import Tokenizer, get_tokenizer, train_bpe
+from jaxllm.errors import JaxllmError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +64,7 @@ def prepare_data(cfg: ml_collections.ConfigDict) -> Data:
             spec = _tokenizer_spec(cfg.data, directory)
             _check(get_tokenizer(spec), directory / "tokens", cfg.model)
             prepare(_inputs(cfg.data), spec, directory / "tokens", cfg.data.val_fraction)
-        except (ConfigError, CorpusError, TokenizerError) as e:
+        except JaxllmError as e:
             failure = e
     if jax.process_count() > 1:  # the others must not wait for data that will never come
         if multihost_utils.broadcast_one_to_all(np.asarray(failure is not None)) and failure is None:

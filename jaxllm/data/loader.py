@@ -16,9 +16,10 @@ import grain
 import numpy as np
 
 from jaxllm.data.prepare import read_meta
+from jaxllm.errors import JaxllmError
 
 
-class DataError(ValueError):
+class DataError(JaxllmError):
     """Prepared data that cannot serve this run; the message says why and what to do."""
 
 

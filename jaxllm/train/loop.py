@@ -1,5 +1,6 @@
 """The training loop: validate, prepare data, build or restore the state, step, evaluate, log,
-checkpoint, and stop cleanly on preemption."""
+checkpoint, and stop cleanly on preemption. `train` is the loop; `Loop` holds what it needs and
+does each named step around it."""
 
 from __future__ import annotations
 
@@ -15,16 +16,17 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxllm import plan
+from jaxllm.checkpoint import Checkpointer
+from jaxllm.checkpoint.layout import to_canonical
 from jaxllm.config import validate
 from jaxllm.data.dataset import prepare_data
 from jaxllm.data.loader import eval_batches, train_batches
 from jaxllm.model.generate import generate
 from jaxllm.parallel.mesh import describe, make_mesh
-from jaxllm.parallel.pipeline import canonical_view, schedule_of
-from jaxllm.train.checkpoint import Checkpointer
 from jaxllm.train.faults import Preemption, heartbeat, kill_self
 from jaxllm.train.metrics import MetricsWriter, memory_in_use, peak_flops
-from jaxllm.train.step import batch_sharding, compile_eval_step, compile_train_step, init_state
+from jaxllm.train.run import Run, State, build_run
+from jaxllm.train.step import compile_eval_step, compile_train_step, init_state
 
 
 def _data_shard(sharding, batch_size: int) -> tuple[int, int, slice]:
@@ -38,64 +40,88 @@ def _data_shard(sharding, batch_size: int) -> tuple[int, int, slice]:
     return start // (stop - start), batch_size // (stop - start), slice(start, stop)
 
 
-def _global_batch(batch: dict[str, np.ndarray], sharding, batch_size: int) -> dict[str, jax.Array]:
-    """Each process passes only its own rows; JAX assembles the global array."""
-    return {
-        k: jax.make_array_from_process_local_data(sharding, v, (batch_size, *v.shape[1:])) for k, v in batch.items()
-    }
-
-
 def train(cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, progress: bool = True) -> dict:
     """Trains `cfg` in `workdir`, resuming from its latest valid checkpoint; returns the last
     logged metrics. Writes `workdir/metrics.jsonl`, TensorBoard events and checkpoints."""
     validate(cfg, jax.device_count())
-    mesh = make_mesh(cfg.parallel)
-    schedule = schedule_of(cfg)
-    t, debug = cfg.train, cfg.debug
+    run = build_run(cfg, make_mesh(cfg.parallel))
+    _announce(run, progress)
+    data = prepare_data(cfg)
+    peak = peak_flops(jax.devices())  # outside the mesh, where a matmul runs on one device
+    with jax.set_mesh(run.mesh):
+        loop = Loop(run, workdir, data, peak, progress)
+        try:
+            for step in loop.bar:
+                loop.state, metrics = loop.step_fn(loop.state, loop.next_batch())
+                heartbeat(step)
+                loop.handle_non_finite(step, metrics)
+                loop.checkpoint(step)
+                stopping = loop.preemption.reached(step)
+                loop.log(step, metrics, force=stopping)
+                if stopping:
+                    loop.save_and_stop(step)
+                    return loop.last
+        finally:  # on success, preemption or error alike: flush metrics, finish pending saves
+            loop.close()
+        sample = loop.sample()
+    if jax.process_index() == 0:
+        print("sample:", json.dumps(sample))
+    return loop.last
+
+
+def _announce(run: Run, progress: bool) -> None:
     if progress:
-        print(cfg.to_json_best_effort(indent=2))
-    print(describe(mesh))
-    print(plan.summary(cfg), flush=True)
-    if cfg.model.remat == "offload" and jax.devices()[0].platform == "cpu":
+        print(run.cfg.to_json_best_effort(indent=2))
+    print(describe(run.mesh))
+    print(plan.summary(run.cfg), flush=True)
+    if run.cfg.model.remat == "offload" and jax.devices()[0].platform == "cpu":
         print("remat 'offload': on CPU host and device memory are one, so offloading saves nothing here")
 
-    data = prepare_data(cfg)
-    eos = data.tokenizer.eos_id
-    shard, shards, rows = _data_shard(batch_sharding(mesh), t.batch_size)
-    batches = train_batches(data.tokens_dir, t.seq_len, rows.stop - rows.start, t.seed, eos, shard, shards)
-    val = [
-        {k: v[rows] for k, v in b.items()}
-        for b in eval_batches(data.tokens_dir, t.seq_len, t.batch_size, cfg.data.eval_batches, eos)
-    ]
 
-    peak, peak_source = peak_flops(jax.devices())
-    flops_per_step = plan.flops_per_token(cfg.model, t.seq_len) * t.batch_size * t.seq_len
-    print(f"peak {peak / 1e12:.3f} TFLOP/s ({peak_source}); model {flops_per_step:.3e} FLOPs/step")
+def roll_back(checkpoints: Checkpointer, state: State, before: int) -> tuple[State, int] | None:
+    """The params and optimizer state of the newest checkpoint saved before step `before` (the
+    step counter goes on), or None if there is none. The current state is freed first, so two
+    full states never share device memory."""
+    if not any(s < before for s in checkpoints.manager.all_steps()):
+        return None
+    for array in jax.tree.leaves({k: v for k, v in state.items() if k != "step"}):
+        array.delete()
+    good = checkpoints.restore_latest(before=before)
+    return {**good.state, "step": state["step"]}, good.step
 
-    with jax.set_mesh(mesh):
-        checkpoints = Checkpointer(workdir, cfg, mesh)
-        restored = checkpoints.restore_latest()
-        skipped = 0  # non-finite steps so far, carried across restarts with the data position
+
+class Loop:
+    """A run's moving parts: data, state, compiled steps, checkpoints, metrics, preemption."""
+
+    def __init__(self, run: Run, workdir: str | pathlib.Path, data, peak: tuple[float, str], progress: bool):
+        cfg, t = run.cfg, run.cfg.train
+        self.run, self.data = run, data
+        eos = data.tokenizer.eos_id
+        shard, shards, self.rows = _data_shard(run.batch_sharding, t.batch_size)
+        self.batches = train_batches(
+            data.tokens_dir, t.seq_len, self.rows.stop - self.rows.start, t.seed, eos, shard, shards
+        )
+        val = eval_batches(data.tokens_dir, t.seq_len, t.batch_size, cfg.data.eval_batches, eos)
+        self.val = [self._global({k: v[self.rows] for k, v in b.items()}) for b in val]
+        self.peak, peak_source = peak
+        self.flops_per_step = plan.flops_per_token(cfg.model, t.seq_len) * t.batch_size * t.seq_len
+        print(f"peak {self.peak / 1e12:.3f} TFLOP/s ({peak_source}); model {self.flops_per_step:.3e} FLOPs/step")
+
+        self.checkpoints = run.checkpointer(workdir)
+        restored = self.checkpoints.restore_latest()
+        self.skipped = 0  # non-finite steps so far, carried across restarts with the data position
         if restored is None:
-            state, start = init_state(cfg, mesh), 0
+            self.state, self.start = init_state(run), 0
         else:
-            state, start = restored.state, restored.step
-            batches.set_state(restored.data_state["loader"])
-            skipped = restored.data_state["skipped_total"]
-        writer = MetricsWriter(workdir, start_step=start)
-        step_fn, eval_fn = compile_train_step(cfg, mesh), compile_eval_step(cfg, mesh)
-        sharding = batch_sharding(mesh)
-        val = [_global_batch(b, sharding, t.batch_size) for b in val]
-
-        def evaluate(params) -> dict[str, float]:
-            sums = [eval_fn(params, b) for b in val]
-            loss = float(sum(s for s, _ in sums) / sum(n for _, n in sums))
-            return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50.0))}
-
-        preemption = Preemption()
-        bar = tqdm(
-            range(start + 1, t.steps + 1),
-            initial=start,
+            self.state, self.start = restored.state, restored.step
+            self.batches.set_state(restored.data_state["loader"])
+            self.skipped = restored.data_state["skipped_total"]
+        self.writer = MetricsWriter(workdir, start_step=self.start)
+        self.step_fn, self.eval_fn = compile_train_step(run), compile_eval_step(run)
+        self.preemption = Preemption()
+        self.bar = tqdm(
+            range(self.start + 1, t.steps + 1),
+            initial=self.start,
             total=t.steps,
             desc="train",
             disable=not progress or jax.process_index() != 0,
@@ -103,85 +129,103 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, progre
             dynamic_ncols=True,
             mininterval=1.0,
         )
+        self.last, self.latest_val, self.bad_steps = {}, {}, 0
+        self.clock, self.clock_step, self.saved_step = time.perf_counter(), self.start, self.start
 
-        def position() -> dict:
-            """What a checkpoint keeps besides the arrays: where the data is, and the skip count."""
-            return {"loader": batches.get_state(), "skipped_total": skipped}
+    def _global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Each process passes only its own rows; JAX assembles the global array."""
+        size = self.run.cfg.train.batch_size
+        sharding = self.run.batch_sharding
+        return {k: jax.make_array_from_process_local_data(sharding, v, (size, *v.shape[1:])) for k, v in batch.items()}
 
-        last, latest_val, bad_steps = {}, {}, 0
-        clock, clock_step, saved_step = time.perf_counter(), start, start
-        try:
-            for step in bar:
-                state, metrics = step_fn(state, _global_batch(next(batches), sharding, t.batch_size))
-                heartbeat(step)
-                if int(metrics["skipped"]):
-                    bad_steps, skipped = bad_steps + 1, skipped + 1
-                    print(
-                        f"step {step}: non-finite loss or gradients, update skipped ({bad_steps} in a row)", flush=True
-                    )
-                    if bad_steps >= cfg.checkpoint.max_bad_steps and (good := checkpoints.restore_latest()) is not None:
-                        print(f"step {step}: back to the params of step {good.step}; the batches since are skipped")
-                        state = {**good.state, "step": state["step"]}
-                        bad_steps = 0
-                else:
-                    bad_steps = 0
-                if checkpoints.due(step) or step == t.steps:
-                    checkpoints.save(step, state, position())
-                    saved_step = step
-                    if debug.kill_during_save and step == debug.kill_at_step:
-                        kill_self()
-                if step == debug.kill_at_step:
-                    checkpoints.wait()  # "between checkpoints": the earlier saves have landed
-                    kill_self()
-                stopping = preemption.reached(step)
+    def next_batch(self) -> dict[str, jax.Array]:
+        return self._global(next(self.batches))
 
-                evaluating = step % cfg.data.eval_every == 0 or step == t.steps
-                if evaluating or step % t.log_every == 0 or stopping:
-                    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()} | {"skipped_total": skipped}
-                    now = time.perf_counter()
-                    if clock_step > start:  # the first step after start-up also paid for compilation
-                        step_time = (now - clock) / (step - clock_step)
-                        metrics |= {
-                            "step_time_s": step_time,
-                            "tokens_per_s": t.batch_size * t.seq_len / step_time,
-                            "mfu": flops_per_step / step_time / peak,
-                        }
-                    if schedule is not None:
-                        metrics["bubble"] = schedule.bubble
-                    if (mem := memory_in_use()) is not None:
-                        metrics["memory_bytes"] = mem
-                    if evaluating:
-                        latest_val = evaluate(state["params"])
-                        metrics |= latest_val
-                    writer.write(step, metrics)
-                    last = {"step": step, **metrics}
-                    bar.set_postfix(
-                        loss=f"{metrics['loss']:.3f}",
-                        val=f"{latest_val.get('val_loss', float('nan')):.3f}",
-                        tok_s=f"{metrics.get('tokens_per_s', float('nan')):.0f}",
-                        mfu=f"{metrics.get('mfu', 0):.1%}",
-                    )
-                if step == start + 1 or evaluating or step % t.log_every == 0:
-                    clock, clock_step = time.perf_counter(), step  # compilation and evaluation are not training time
-                if stopping:
-                    if saved_step != step:
-                        checkpoints.save(step, state, position())
-                    print(f"preempted: checkpoint saved at step {step}; run the same command to resume")
-                    return last
-        finally:  # on success, preemption or error alike: flush metrics, finish pending saves
-            bar.close()
-            preemption.close()
-            writer.close()
-            checkpoints.close()
+    def position(self) -> dict:
+        """What a checkpoint keeps besides the arrays: where the data is, and the skip count."""
+        return {"loader": self.batches.get_state(), "skipped_total": self.skipped}
 
-        prompt = data.tokenizer.encode(t.sample_prompt)
-        length = min(len(prompt) + t.sample_tokens, cfg.model.max_seq_len)
-        params = state["params"]
-        if schedule is not None:  # generation runs the plain stack over the canonical group order
-            params = {**params, "groups": canonical_view(params["groups"])}
-        sample = generate(
-            params, cfg.model, prompt, length, temperature=t.sample_temperature, top_k=t.sample_top_k, seed=t.seed
+    def handle_non_finite(self, step: int, metrics: dict) -> None:
+        """A skipped update is counted; `checkpoint.max_bad_steps` in a row roll back to the newest
+        checkpoint saved before the streak began, and the batches since stay behind."""
+        if not int(metrics["skipped"]):
+            self.bad_steps = 0
+            return
+        self.bad_steps, self.skipped = self.bad_steps + 1, self.skipped + 1
+        print(f"step {step}: non-finite loss or gradients, update skipped ({self.bad_steps} in a row)", flush=True)
+        if self.bad_steps < self.run.cfg.checkpoint.max_bad_steps:
+            return
+        self.checkpoints.wait()
+        if (back := roll_back(self.checkpoints, self.state, before=step - self.bad_steps + 1)) is not None:
+            self.state, good_step = back
+            print(f"step {step}: back to the params of step {good_step}; the batches since are skipped")
+            self.bad_steps = 0
+
+    def checkpoint(self, step: int) -> None:
+        debug = self.run.cfg.debug
+        if self.checkpoints.due(step) or step == self.run.cfg.train.steps:
+            self.checkpoints.save(step, self.state, self.position())
+            self.saved_step = step
+            if debug.kill_during_save and step == debug.kill_at_step:
+                kill_self()
+        if step == debug.kill_at_step:
+            self.checkpoints.wait()  # "between checkpoints": the earlier saves have landed
+            kill_self()
+
+    def evaluate(self) -> dict[str, float]:
+        sums = [self.eval_fn(self.state["params"], b) for b in self.val]
+        loss = float(sum(s for s, _ in sums) / sum(n for _, n in sums))
+        return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50.0))}
+
+    def log(self, step: int, metrics: dict, force: bool) -> None:
+        """Every `train.log_every` steps (and at evaluations): metrics to JSONL, TensorBoard and the bar."""
+        t = self.run.cfg.train
+        evaluating = step % self.run.cfg.data.eval_every == 0 or step == t.steps
+        if evaluating or step % t.log_every == 0 or force:
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()} | {"skipped_total": self.skipped}
+            if self.clock_step > self.start:  # the first step after start-up also paid for compilation
+                step_time = (time.perf_counter() - self.clock) / (step - self.clock_step)
+                metrics |= {
+                    "step_time_s": step_time,
+                    "tokens_per_s": t.batch_size * t.seq_len / step_time,
+                    "mfu": self.flops_per_step / step_time / self.peak,
+                }
+            if self.run.schedule is not None:
+                metrics["bubble"] = self.run.schedule.bubble
+            if (mem := memory_in_use()) is not None:
+                metrics["memory_bytes"] = mem
+            if evaluating:
+                self.latest_val = self.evaluate()
+                metrics |= self.latest_val
+            self.writer.write(step, metrics)
+            self.last = {"step": step, **metrics}
+            self.bar.set_postfix(
+                loss=f"{metrics['loss']:.3f}",
+                val=f"{self.latest_val.get('val_loss', float('nan')):.3f}",
+                tok_s=f"{metrics.get('tokens_per_s', float('nan')):.0f}",
+                mfu=f"{metrics.get('mfu', 0):.1%}",
+            )
+        if step == self.start + 1 or evaluating or step % t.log_every == 0:
+            self.clock, self.clock_step = time.perf_counter(), step  # compilation and evaluation are not training time
+
+    def save_and_stop(self, step: int) -> None:
+        if self.saved_step != step:
+            self.checkpoints.save(step, self.state, self.position())
+        print(f"preempted: checkpoint saved at step {step}; run the same command to resume")
+
+    def sample(self) -> str:
+        """The end-of-training sample, from the plain stack over the canonical group order."""
+        t, model = self.run.cfg.train, self.run.cfg.model
+        prompt = self.data.tokenizer.encode(t.sample_prompt)
+        length = min(len(prompt) + t.sample_tokens, model.max_seq_len)
+        params = to_canonical(self.state["params"], self.run.schedule)
+        tokens = generate(
+            params, model, prompt, length, temperature=t.sample_temperature, top_k=t.sample_top_k, seed=t.seed
         )
-    if jax.process_index() == 0:
-        print("sample:", json.dumps(data.tokenizer.decode(sample)))
-    return last
+        return self.data.tokenizer.decode(tokens)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.preemption.close()
+        self.writer.close()
+        self.checkpoints.close()

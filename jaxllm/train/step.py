@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxllm.model.decoder import Decoder, forward, param_specs
-from jaxllm.model.params import ParamSpec, is_spec, params_of
-from jaxllm.parallel.pipeline import Schedule, schedule_of, split_microbatches
-from jaxllm.parallel.rules import OPTIMIZER_RULES, RULES, logical_spec, tree_shardings
-from jaxllm.train.optim import learning_rate, make_optimizer
+from jaxllm.model.decoder import Decoder, forward
+from jaxllm.model.params import params_of
+from jaxllm.parallel.schedule import Schedule, schedule_of, split_microbatches
+from jaxllm.train.optim import learning_rate
+from jaxllm.train.run import Run, State
 
-State = dict[str, Any]  # {'step', 'params', 'opt_state'}: plain arrays, ready for Orbax
 Batch = dict[str, jax.Array]  # 'inputs', 'targets', optional 'loss_mask', 'segment_ids', 'positions'
 
 
@@ -40,58 +37,33 @@ def mean_loss(
     return total / jnp.maximum(count, 1.0)
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, logical_spec(("batch", "seq")))
-
-
-def state_shardings(cfg: ml_collections.ConfigDict, mesh: Mesh) -> State:
-    """Params follow the rules table; optimizer moments follow their params and, with
-    `parallel.zero1`, are also split over `data` where the dim allows."""
-    specs = param_specs(cfg.model, schedule_of(cfg))
-    params = tree_shardings(specs, mesh)
-    moments = tree_shardings(specs, mesh, OPTIMIZER_RULES if cfg.parallel.zero1 else RULES, fit=True)
-    params_def = jax.tree.structure(params)
-    abstract = jax.eval_shape(make_optimizer(cfg.train).init, jax.tree.map(_abstract, specs, is_leaf=is_spec))
-    replicated = NamedSharding(mesh, PartitionSpec())
-    opt_state = jax.tree.map(
-        lambda node: moments if jax.tree.structure(node) == params_def else replicated,
-        abstract,
-        is_leaf=lambda node: jax.tree.structure(node) == params_def,
-    )
-    return {"step": replicated, "params": params, "opt_state": opt_state}
-
-
-def _abstract(spec: ParamSpec) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(spec.shape, jnp.float32)
-
-
 def init_params(cfg: ml_collections.ConfigDict) -> dict:
     """The decoder's initial params with the run's seed, in the run's pipeline view."""
     return params_of(Decoder(cfg.model, rngs=nnx.Rngs(cfg.train.seed), schedule=schedule_of(cfg)))
 
 
-def init_state(cfg: ml_collections.ConfigDict, mesh: Mesh) -> State:
+def init_state(run: Run) -> State:
     """Initialises params and optimizer state directly into their shardings."""
-    optimizer = make_optimizer(cfg.train)
 
     def init() -> State:
-        params = init_params(cfg)
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
+        params = init_params(run.cfg)
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": run.optimizer.init(params)}
 
-    return jax.jit(init, out_shardings=state_shardings(cfg, mesh))()
+    return jax.jit(init, out_shardings=run.shardings)()
 
 
-def train_step(state: State, batch: Batch, cfg: ml_collections.ConfigDict, shardings: State) -> tuple[State, dict]:
+def train_step(state: State, batch: Batch, run: Run) -> tuple[State, dict]:
     """One optimizer step over `grad_accum_steps` sequential microbatches. The loss is the mean over
     all unmasked tokens of the whole batch, whatever the accumulation."""
+    cfg = run.cfg
     model, accum = cfg.model, cfg.train.grad_accum_steps
     grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
     params = state["params"]
 
     def accumulate(carry, micro):
         total, count, grads = carry
-        (loss, n), g = grad_fn(params, micro, model, schedule_of(cfg))
-        grads = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grads, g), shardings["params"])
+        (loss, n), g = grad_fn(params, micro, model, run.schedule)
+        grads = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grads, g), run.shardings["params"])
         return (total + loss, count + n, grads), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
@@ -107,7 +79,7 @@ def train_step(state: State, batch: Batch, cfg: ml_collections.ConfigDict, shard
     grad_norm = optax.tree.norm(grads)
     # A non-finite loss or gradient skips the update: params and optimizer state stay as they were.
     finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
-    updates, opt_state = make_optimizer(cfg.train).update(grads, state["opt_state"], params)
+    updates, opt_state = run.optimizer.update(grads, state["opt_state"], params)
     new_params, opt_state = jax.tree.map(
         lambda new, old: jnp.where(finite, new, old),
         (optax.apply_updates(params, updates), opt_state),
@@ -125,20 +97,19 @@ def train_step(state: State, batch: Batch, cfg: ml_collections.ConfigDict, shard
     return new_state, metrics
 
 
-def compile_eval_step(cfg: ml_collections.ConfigDict, mesh: Mesh):
+def compile_eval_step(run: Run):
     """(loss sum, token count) of a batch under the current params."""
     return jax.jit(
-        partial(loss_sums, model=cfg.model, schedule=schedule_of(cfg)),
-        in_shardings=(state_shardings(cfg, mesh)["params"], batch_sharding(mesh)),
+        partial(loss_sums, model=run.cfg.model, schedule=run.schedule),
+        in_shardings=(run.shardings["params"], run.batch_sharding),
     )
 
 
-def compile_train_step(cfg: ml_collections.ConfigDict, mesh: Mesh):
+def compile_train_step(run: Run):
     """The jitted step with explicit in/out shardings; the old state is donated."""
-    shardings = state_shardings(cfg, mesh)
     return jax.jit(
-        partial(train_step, cfg=cfg, shardings=shardings),
-        in_shardings=(shardings, batch_sharding(mesh)),
-        out_shardings=(shardings, None),
+        partial(train_step, run=run),
+        in_shardings=(run.shardings, run.batch_sharding),
+        out_shardings=(run.shardings, None),
         donate_argnums=0,
     )

@@ -1,0 +1,84 @@
+"""What a training run needs, built once from its config and mesh and passed down: the step, the
+loop, checkpoints and the dry run share one `Run` instead of each rebuilding the schedule, the
+parameter specs, the shardings and the optimizer."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxllm.checkpoint import Checkpointer
+from jaxllm.model.decoder import param_specs
+from jaxllm.model.params import is_spec
+from jaxllm.parallel.rules import OPTIMIZER_RULES, RULES, logical_spec, tree_shardings
+from jaxllm.parallel.schedule import Schedule, schedule_of
+from jaxllm.train.optim import make_optimizer
+
+State = dict[str, Any]  # {'step', 'params', 'opt_state'}: plain arrays, ready for Orbax
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Run:
+    cfg: ml_collections.ConfigDict
+    mesh: Mesh
+    schedule: Schedule | None
+    optimizer: optax.GradientTransformation
+    shardings: State  # of the train state, in the run's own (pipeline) view
+    batch_sharding: NamedSharding
+    # The state as checkpoints hold it: canonical group order, each array split over the same
+    # devices as in training (a pipeline's groups over `stage`), so a restore needs no more memory.
+    canonical: State
+
+    def checkpointer(self, workdir: str | pathlib.Path) -> Checkpointer:
+        return Checkpointer(workdir, self.cfg, self.mesh, self.canonical, self.shardings)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batches split over data-parallel replicas (`data` and `fsdp`)."""
+    return NamedSharding(mesh, logical_spec(("batch", "seq")))
+
+
+def build_run(cfg: ml_collections.ConfigDict, mesh: Mesh) -> Run:
+    schedule, optimizer = schedule_of(cfg), make_optimizer(cfg.train)
+    dtype = jnp.dtype(cfg.model.param_dtype)
+    own = _abstract_state(param_specs(cfg.model, schedule), optimizer, mesh, cfg.parallel.zero1, RULES, dtype)
+    # Canonical [groups, ...] split in contiguous blocks over `stage`: the same bytes per device as
+    # the pipeline view (exactly its layout when repeats = 1), resharded to it after the read.
+    canonical_rules = RULES if schedule is None else {**RULES, "layers": "stage"}
+    canonical = _abstract_state(param_specs(cfg.model), optimizer, mesh, cfg.parallel.zero1, canonical_rules, dtype)
+    return Run(
+        cfg=cfg,
+        mesh=mesh,
+        schedule=schedule,
+        optimizer=optimizer,
+        shardings=jax.tree.map(lambda s: s.sharding, own),
+        batch_sharding=batch_sharding(mesh),
+        canonical=canonical,
+    )
+
+
+def _abstract_state(specs, optimizer, mesh: Mesh, zero1: bool, rules: dict, dtype) -> State:
+    """Shapes, dtypes and shardings of the train state. Params follow `rules`; optimizer moments
+    follow their params and, with ZeRO-1, are also split over `data` where the dim allows."""
+    params = tree_shardings(specs, mesh, rules)
+    moment_rules = {**rules, "embed": OPTIMIZER_RULES["embed"]} if zero1 else rules
+    moments = tree_shardings(specs, mesh, moment_rules, fit=True)
+    shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), specs, is_leaf=is_spec)
+    params_def = jax.tree.structure(params)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt_shapes = jax.eval_shape(optimizer.init, shapes)
+    opt_shardings = jax.tree.map(
+        lambda node: moments if jax.tree.structure(node) == params_def else replicated,
+        opt_shapes,
+        is_leaf=lambda node: jax.tree.structure(node) == params_def,
+    )
+    state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": shapes, "opt_state": opt_shapes}
+    shardings = {"step": replicated, "params": params, "opt_state": opt_shardings}
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, shardings)
