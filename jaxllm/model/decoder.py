@@ -24,7 +24,7 @@ from flax import nnx
 
 from jaxllm.config import sizes
 from jaxllm.model import layers
-from jaxllm.model.blocks import Attention, DecoderLayer, Norm, Stack
+from jaxllm.model.blocks import UNSTACKED, Attention, DecoderLayer, Norm, Stack
 from jaxllm.model.params import Params, declare, init_params, is_norm, params_of, specs_of
 from jaxllm.parallel.pipeline import pipeline_stack
 from jaxllm.parallel.rules import AXIS_RULES, constrain
@@ -67,7 +67,7 @@ def _frozen(model: ml_collections.ConfigDict) -> ml_collections.FrozenConfigDict
 class LayerGroup(nnx.Module):
     """`qkv_share_every` consecutive layers and the one QKV projection (`Attention`) they all apply."""
 
-    def __init__(self, model: ml_collections.ConfigDict, stack: Stack = ((), ())):
+    def __init__(self, model: ml_collections.ConfigDict, stack: Stack = UNSTACKED):
         (lead, lead_axes), model = stack, _frozen(model)
         self.remat, self.size = model.remat, model.qkv_share_every
         self.qkv = Attention(model, stack)

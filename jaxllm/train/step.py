@@ -1,4 +1,4 @@
-"""The train state, its shardings, and the jitted train step (with gradient accumulation)."""
+"""The train state's initialisation and the jitted train and eval steps (with gradient accumulation)."""
 
 from __future__ import annotations
 
