@@ -33,7 +33,7 @@ def from_canonical(tree: Any, schedule: Schedule | None) -> Any:
     return tree if schedule is None else _map_groups(partial(pipeline_view, schedule=schedule), tree)
 
 
-def model_fields(model: ml_collections.ConfigDict) -> dict:
+def _model_fields(model: ml_collections.ConfigDict) -> dict:
     """What makes parameters compatible: the model's shape (not dtype or remat), with defaults
     resolved, so an explicit head_dim or num_kv_heads equal to its default is the same shape."""
     keep = ("num_layers", "hidden", "num_heads", "mlp", "vocab_size", "vocab_pad_multiple", "qkv_share_every",
@@ -44,7 +44,7 @@ def model_fields(model: ml_collections.ConfigDict) -> dict:
 
 def check_same_shape(saved: ml_collections.ConfigDict, model: ml_collections.ConfigDict, where: str) -> None:
     """Refuses parameters saved for another model shape, naming the fields that differ."""
-    have, want = model_fields(saved), model_fields(model)
+    have, want = _model_fields(saved), _model_fields(model)
     if have != want:
         changed = {k: (v, want[k]) for k, v in have.items() if want[k] != v}
         raise ConfigError(

@@ -26,7 +26,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 import jaxllm
-from jaxllm.checkpoint.layout import check_same_shape, from_canonical, model_fields, to_canonical
+from jaxllm.checkpoint.layout import check_same_shape, from_canonical, to_canonical
 from jaxllm.errors import JaxllmError
 from jaxllm.parallel.schedule import schedule_of
 
@@ -108,7 +108,6 @@ class Checkpointer:
             "step": step,
             "version": jaxllm.__version__,
             "mesh": dict(self.mesh.shape),
-            "model": model_fields(self.cfg.model),
             "config": json.loads(self.cfg.to_json_best_effort()),
         }
         self.manager.save(
