@@ -40,10 +40,10 @@ class CheckpointError(JaxllmError):
     """Checkpoints that cannot serve this run; the message says which and what to do."""
 
 
-def saved_config(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
-    """The config stored with the latest checkpoint of `workdir`."""
+def saved_config(workdir: str | pathlib.Path, step: int | None = None) -> ml_collections.ConfigDict:
+    """The config stored with checkpoint `step` (default: the latest) of `workdir`."""
     manager = ocp.CheckpointManager(pathlib.Path(workdir).absolute() / "checkpoints", item_names=("meta",))
-    step = manager.latest_step()
+    step = manager.latest_step() if step is None else step
     if step is None:
         raise CheckpointError(f"{workdir} has no checkpoints; pass the --workdir of a training run")
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]

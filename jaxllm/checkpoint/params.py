@@ -53,7 +53,7 @@ def load_params(
     if step is None or not (directory / str(step) / "state").is_dir():
         raise CheckpointError(f"{path} holds no export and no checkpoint{'' if step is None else f' {step}'}; "
                               "pass an export directory or the --workdir of a training run")  # fmt: skip
-    cfg = saved_config(path)
+    cfg = saved_config(path, step)
     target = {"params": _target(cfg.model, mesh, dtype or cfg.model.param_dtype)}
     restore = ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
