@@ -253,4 +253,9 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[int, ...
         f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
         "lower train.seq_len or raise model.max_seq_len",
     )
+    _require(
+        t.seq_len % stage == 0,
+        f"train.seq_len={t.seq_len} is not divisible by parallel.stage={stage}: the head and loss after the "
+        f"pipeline split the sequence over its stages; use a multiple of {stage}",
+    )
     return shape

@@ -1,4 +1,6 @@
-"""8 fake CPU devices for every test; the XLA flag must be set before jax is imported."""
+"""8 fake CPU devices for every test; the XLA flags must be set before jax is imported. Without
+excess precision, bf16 rounds where the program says: two layouts' bf16 results then differ by
+their arithmetic, not by which ops the CPU compiler happened to fuse in fp32."""
 
 import json
 import os
@@ -7,7 +9,9 @@ import subprocess
 import sys
 import time
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_allow_excess_precision=false"
+)
 
 import jax  # noqa: E402
 

@@ -56,6 +56,10 @@ CASES = {
         {"model.num_layers": 20, "parallel.stage": 4, "parallel.data": 2, "parallel.microbatches": 4},
         ["gives 10 QKV groups", "use stage in [2, 5, 10]"],
     ),
+    "sequence vs stages": (
+        {"parallel.stage": 2, "parallel.data": 4, "parallel.microbatches": 2, "train.seq_len": 15},
+        ["train.seq_len=15 is not divisible by parallel.stage=2", "multiple of 2"],
+    ),
     "batch vs microbatches": (
         {"parallel.stage": 2, "parallel.data": 4, "parallel.microbatches": 8},
         ["train.batch_size=16", "4*1*1*8=32"],

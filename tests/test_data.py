@@ -66,9 +66,46 @@ def prepared(corpus, bpe, tmp_path_factory):
     return out, meta
 
 
-def test_gpt2_ids_and_round_trips():
+# GPT-2 ids published by others: the test suites of transformers.js (tests/models/gpt2/
+# test_tokenization_gpt2.js, "Xenova/gpt2") and of tiktoken (tests/test_encoding.py), and OpenAI's
+# tokenizer-page example as encoded in the gpt-3-encoder test suites.
+GPT2_PUBLISHED = {
+    "   leading space": [220, 220, 3756, 2272],
+    "trailing space   ": [9535, 4386, 2272, 220, 220, 220],
+    "Hi  Hello": [17250, 220, 18435],
+    "\t": [197],
+    "You should've done this": [1639, 815, 1053, 1760, 428],
+    "A\n'll !!to?'d''d of, can't.": [32, 198, 1183, 37867, 1462, 8348, 67, 7061, 67, 286, 11, 460, 470, 13],
+    "0123456789 0 1 2 3 4 5 6 7 8 9 10 100 1000":
+        [486, 1954, 2231, 3134, 4531, 657, 352, 362, 513, 604, 642, 718, 767, 807, 860, 838, 1802, 8576],
+    "000000000": [10535, 830],
+    "0000000000000000": [25645],
+    "I bought an apple for $1.00 at the store.": [40, 5839, 281, 17180, 329, 720, 16, 13, 405, 379, 262, 3650, 13],
+    "UNwant\u00e9d,running": [4944, 42949, 2634, 67, 11, 20270],
+    "\u751f\u6d3b\u7684\u771f\u8c1b\u662f": [37955, 162, 112, 119, 21410, 40367, 253, 164, 108, 249, 42468],
+    "test $1 R2 #3 \u20ac4 \u00a35 \u00a56 \u20a37 \u20b98 \u20b19 test": [
+        9288, 720, 16, 371, 17, 1303, 18, 10432, 19, 4248, 20, 38221, 21, 2343, 224, 96, 22, 2343, 224, 117, 23,
+        2343, 224, 109, 24, 1332,
+    ],
+    "hello \U0001f44b world \U0001f30d": [31373, 50169, 233, 995, 12520, 234, 235],
+    "\u201cwrote jack a letter\u201d": [447, 250, 42910, 14509, 257, 3850, 447, 251],
+    "Many words map to one token, but some don't: indivisible.\n\nUnicode characters like emojis may be split "
+    "into many tokens containing the underlying bytes: \U0001f91a\U0001f3fe\n\nSequences of characters commonly "
+    "found next to each other may be grouped together: 1234567890": [
+        7085, 2456, 3975, 284, 530, 11241, 11, 475, 617, 836, 470, 25, 773, 452, 12843, 13, 198, 198, 3118, 291,
+        1098, 3435, 588, 795, 13210, 271, 743, 307, 6626, 656, 867, 16326, 7268, 262, 10238, 9881, 25, 12520, 97,
+        248, 8582, 237, 122, 198, 198, 44015, 3007, 286, 3435, 8811, 1043, 1306, 284, 1123, 584, 743, 307, 32824,
+        1978, 25, 17031, 2231, 30924, 3829,
+    ],
+}  # fmt: skip
+
+
+def test_gpt2_ids_match_published_ones_and_round_trip():
     tok = get_tokenizer("gpt2")
     assert tok.encode("Hello world") == [15496, 995]
+    for text, ids in GPT2_PUBLISHED.items():
+        assert tok.encode(text) == ids, text
+        assert tok.decode(ids) == text
     assert tok.vocab_size == 50257 and tok.eos_id == tok.bos_id == tok.pad_id == 50256
     for text in SAMPLES + ["<|endoftext|> is plain text inside a document"]:
         assert tok.decode(tok.encode(text)) == text

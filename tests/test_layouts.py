@@ -5,6 +5,7 @@ import math
 import chex
 import jax
 import numpy as np
+import optax
 import pytest
 from conftest import small_config
 from jax.sharding import PartitionSpec as P
@@ -129,3 +130,30 @@ def test_init_never_holds_a_whole_parameter():
     largest = max(x.nbytes for x in jax.tree.leaves(state["params"]))
     assert mem.output_size_in_bytes <= total / 4, (mem.output_size_in_bytes, total)
     assert mem.temp_size_in_bytes < largest, (mem.temp_size_in_bytes, largest)
+
+
+def _moment_shard_sizes(layout: dict, zero1: bool, **model) -> list[tuple[str, int, int]]:
+    """(name, elements of a param's shard, elements of its Adam moments' shard) per parameter."""
+    cfg = small_config(**model)
+    cfg.parallel.update(layout, zero1=zero1)
+    mesh = make_mesh(cfg.parallel)
+    with jax.set_mesh(mesh):
+        state = init_state(build_run(cfg, mesh))
+    out = []
+    for moment in ("mu", "nu"):
+        moments = optax.tree_utils.tree_get(state["opt_state"], moment)
+        for (path, param), m in zip(jax.tree_util.tree_leaves_with_path(state["params"]), jax.tree.leaves(moments),
+                                    strict=True):  # fmt: skip
+            name = f"{moment} {jax.tree_util.keystr(path)}"
+            out.append((name, param.addressable_shards[0].data.size, m.addressable_shards[0].data.size))
+    return out
+
+
+def test_zero1_splits_adam_moments_over_data_where_the_dim_allows():
+    for name, param, moment in _moment_shard_sizes(dict(data=2, fsdp=2, tensor=2), zero1=True):
+        assert moment * 2 == param, f"{name}: each data replica should hold half of the moments"
+    for name, param, moment in _moment_shard_sizes(dict(data=2, fsdp=2, tensor=2), zero1=False):
+        assert moment == param, name
+    # hidden 36 does not split 8 ways: the moments stay whole over `data` rather than fail
+    for name, param, moment in _moment_shard_sizes(dict(data=8), True, hidden=36, num_heads=4, num_kv_heads=4):
+        assert moment == param, name

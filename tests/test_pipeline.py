@@ -5,9 +5,12 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 
 import chex
+import hlo
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ROOT, metrics, run, small_config, train_command
@@ -15,10 +18,11 @@ from reference_model import reference_loss
 
 from jaxllm import plan
 from jaxllm.config import load_config
+from jaxllm.model import param_specs
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.schedule import canonical_view, schedule_of
 from jaxllm.train.run import batch_sharding, build_run
-from jaxllm.train.step import compile_train_step, init_state, mean_loss
+from jaxllm.train.step import compile_eval_step, compile_train_step, init_state, mean_loss
 
 # (stages, microbatches, repeats, other mesh axes[, remat]): covers M ∈ {S, 2S}, R ∈ {1, 2}, S ∈ {2, 4}
 # and the combined layouts.
@@ -58,37 +62,147 @@ def test_pipeline_matches_sequential_loop(case):
     params["groups"], grads["groups"] = canonical_view(params["groups"]), canonical_view(grads["groups"])
     want_loss, want_grads = jax.value_and_grad(reference_loss)(params, batch, cfg.model)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-    chex.assert_trees_all_close(grads, want_grads, rtol=1e-3, atol=1e-6)
+    chex.assert_trees_all_close(grads, want_grads, rtol=1e-4, atol=1e-7)
 
 
-def _while_bodies(hlo: str) -> set[str]:
-    """Names of every computation run inside a while loop (bodies and what they call)."""
-    comps = dict(re.findall(r"^(?:ENTRY )?%(\S+) [^\n]*\{\n(.*?)^\}", hlo, re.S | re.M))
-    inside, todo = set(), [b for c in comps.values() for b in re.findall(r"body=%([\w.\-]+)", c)]
-    while todo:
-        name = todo.pop()
-        if name not in inside:
-            inside.add(name)
-            todo += re.findall(r"(?:body|condition|to_apply|calls|branch_computations)=\{?%([\w.\-]+)", comps[name])
-    return {name: comps[name] for name in inside}
-
-
-def test_pipeline_shifts_by_collective_permute_and_gathers_weights_before_the_loop():
-    cfg = _config(2, 4, 1, dict(fsdp=2, tensor=2, data=1))
+def _compiled(cfg, compile_fn, part=lambda state: state):
+    """Compiled HLO text and memory analysis of `compile_fn(run)` on (`part` of) an abstract
+    state and a batch."""
     mesh = make_mesh(cfg.parallel)
     with jax.set_mesh(mesh):
-        params = jax.eval_shape(lambda: init_state(build_run(cfg, mesh)))["params"]
-        grad_fn = jax.jit(
-            jax.grad(lambda p, b: mean_loss(p, b, cfg.model, schedule_of(cfg))),
-            in_shardings=(build_run(cfg, mesh).shardings["params"], batch_sharding(mesh)),
-        )
-        hlo = grad_fn.lower(params, _batch(cfg)).compile().as_text()
-    loops = _while_bodies(hlo)
-    assert loops, "the pipeline should compile to a while loop"
-    in_loops = "\n".join(loops.values())
-    assert "collective-permute" in in_loops, "stage shifts should be collective-permutes inside the loop"
-    assert "all-gather" not in in_loops, "FSDP weights must be gathered once, before the loop"
-    assert "all-gather" in hlo, "the FSDP gather should happen (outside the loop)"
+        run_ = build_run(cfg, mesh)
+        state = part(jax.eval_shape(lambda: init_state(run_)))
+        batch = {
+            k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=run_.batch_sharding) for k, v in _batch(cfg).items()
+        }
+        compiled = compile_fn(run_).lower(state, batch).compile()
+    return compiled.as_text(), compiled.memory_analysis()
+
+
+def _stage_weight_shapes(cfg, *, scattered: bool = False) -> Counter:
+    """Per-device shape of each stage weight as the loop reads it (one stage, whole on `fsdp`), or
+    with `scattered` its gradient's shard after the reduce-scatter. Shapes are compared as sorted
+    dims other than 1: XLA may move or drop the stage dim, and on CPU it runs bf16 collectives in fp32."""
+    specs = param_specs(cfg.model, schedule_of(cfg))["groups"]
+    split = {"stages": cfg.parallel.stage, "embed": cfg.parallel.fsdp if scattered else 1}
+    return Counter(
+        _dims(d // split.get(axis, 1) for d, axis in zip(spec.shape, spec.axes, strict=True))
+        for spec in jax.tree.leaves(specs, is_leaf=lambda x: hasattr(x, "axes"))
+    )
+
+
+def _dims(shape) -> tuple[int, ...]:
+    return tuple(sorted(d for d in shape if d != 1))
+
+
+def _result_shapes(line: str) -> list[tuple[int, ...]]:
+    """Sorted dims of every array an HLO instruction returns."""
+    result = re.match(r"\s*%\S+ = (.*?) [\w-]+\(", line).group(1)
+    return [_dims(int(d) for d in dims.split(",") if d) for dims in re.findall(r"\w+\[([\d,]*)\]", result)]
+
+
+def _executed_shapes(text: str, op: str) -> Counter:
+    """Result shapes of every `op` instruction, counted as often as it runs."""
+    runs, shapes = hlo.executions(text), Counter()
+    for comp, line in hlo.ops(text, op):
+        for shape in _result_shapes(line):
+            shapes[shape] += runs[comp]
+    return shapes
+
+
+def test_stage_weights_gathered_once_per_step_and_gradients_reduced_after_the_loop():
+    """R=2 with 2 accumulation microsteps: each stage weight is all-gathered over fsdp once per
+    step (trip counts of the loops around each gather multiplied out), and its gradient is reduced
+    once per accumulation microstep, after the pipeline loop, never inside it."""
+    accum = 2
+    cfg = _config(2, 4, 2, dict(fsdp=2, tensor=1, data=2), dtype="bfloat16")
+    cfg.train.update(grad_accum_steps=accum, batch_size=32)
+    text, _ = _compiled(cfg, compile_train_step)
+    weights, grads = _stage_weight_shapes(cfg), _stage_weight_shapes(cfg, scattered=True)
+    embedding = _dims((cfg.model.hidden, 384 // cfg.parallel.tensor))
+    assert embedding not in weights, "the embedding's gather must not pass for a stage weight's"
+    gathered = _executed_shapes(text, "all-gather")
+    assert {k: gathered[k] for k in weights} == weights, "each stage weight gathered exactly once per step"
+    scattered = _executed_shapes(text, "reduce-scatter")
+    assert {k: scattered[k] for k in grads} == {k: accum * n for k, n in grads.items()}
+    runs = hlo.executions(text)
+    for comp, line in hlo.ops(text, "all-reduce") + hlo.ops(text, "reduce-scatter"):
+        if set(_result_shapes(line)) & (weights + grads).keys():
+            assert runs[comp] <= accum, f"a weight gradient reduced inside the pipeline loop: {line[:200]}"
+    loops = hlo.loop_bodies(text)
+    assert any(comp in loops for comp, _ in hlo.ops(text, "collective-permute")), "stage shifts inside the loop"
+
+
+def test_head_and_loss_run_once_on_a_slice_of_the_sequence_per_stage():
+    """The pipeline's output reaches the head split over `stage` along the sequence: each stage
+    computes logits for 1/S of the tokens, and no device holds logits for the whole sequence."""
+    cfg = _config(2, 2, 1, dict(tensor=2, data=2))
+    cfg.train.seq_len = 32
+    text, _ = _compiled(cfg, compile_eval_step, lambda state: state["params"])
+    rows, vocab = cfg.train.batch_size // cfg.parallel.data, 384 // cfg.parallel.tensor
+    assert f"f32[{rows},{cfg.train.seq_len // 2},{vocab}]" in text, "logits for half the sequence per stage"
+    assert f"f32[{rows},{cfg.train.seq_len},{vocab}]" not in text, "logits for the whole sequence on a stage"
+
+
+def test_circular_schedule_needs_no_more_memory_than_gpipe():
+    """S=4, M=16: the circular schedule's delay line holds M − S = 12 microbatches. If the
+    backward pass kept it for each of its 35 iterations, R=2 would need 3.5× GPipe's temporaries
+    at these shapes (activations dominate); measured by making the line a residual on purpose.
+    Compiled temporaries: R=2 ≤ 1.2 × R=1."""
+    temporaries = {}
+    for repeats in (1, 2):
+        cfg = small_config(num_layers=8, qkv_share_every=1, hidden=256, mlp=256, num_heads=4, num_kv_heads=4)
+        cfg.parallel.update(stage=4, microbatches=16, repeats=repeats, data=2)
+        cfg.train.update(batch_size=128, seq_len=64)
+        _, memory = _compiled(cfg, compile_train_step)
+        temporaries[repeats] = memory.temp_size_in_bytes
+    assert temporaries[2] <= 1.2 * temporaries[1], temporaries
+
+
+def _scan_carries(jaxpr):
+    """Avals of every loop carry of every scan in a jaxpr, nested ones included."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            start = eqn.params["num_consts"]
+            yield from eqn.params["jaxpr"].in_avals[start : start + eqn.params["num_carry"]]
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+                    yield from _scan_carries(getattr(sub, "jaxpr", sub))
+
+
+def _bf16_grads(layout, microbatches=None):
+    cfg = small_config(num_layers=8, qkv_share_every=2, dtype="bfloat16")
+    cfg.train.update(batch_size=64, seq_len=16)
+    cfg.parallel.update(layout)
+    mesh = make_mesh(cfg.parallel)
+    with jax.set_mesh(mesh):
+        run_ = build_run(cfg, mesh)
+        params = init_state(run_)["params"]
+        grad_fn = jax.grad(lambda p, b: mean_loss(p, b, cfg.model, run_.schedule))
+        grads = jax.jit(grad_fn)(params, jax.device_put(_batch(cfg), run_.batch_sharding))
+        jaxpr = jax.make_jaxpr(grad_fn)(params, jax.device_put(_batch(cfg), run_.batch_sharding))
+    grads = jax.device_get(grads)
+    if run_.schedule is not None:
+        grads["groups"] = canonical_view(grads["groups"])
+    return grads, jaxpr, cfg
+
+
+def test_bf16_pipeline_gradients_match_unpipelined_and_add_up_in_fp32():
+    """bf16 compute, S=2, M=8: every gradient leaf within 1e-2 (relative, in norm) of the run
+    without a pipeline; and the loop sums each stage weight's gradient in an fp32 carry, with no
+    bf16 carry of a weight's shape."""
+    want, _, _ = _bf16_grads(dict(data=4, fsdp=2))
+    got, jaxpr, cfg = _bf16_grads(dict(stage=2, microbatches=8, data=2, fsdp=2))
+    errors = jax.tree.map(lambda g, w: float(np.linalg.norm(g - w) / np.linalg.norm(w)), got, want)
+    assert max(jax.tree.leaves(errors)) <= 1e-2, errors
+    carries = list(_scan_carries(jaxpr.jaxpr))
+    specs = param_specs(cfg.model, schedule_of(cfg))["groups"]
+    for spec in jax.tree.leaves(specs, is_leaf=lambda x: hasattr(x, "axes")):
+        r, _, *rest = spec.shape  # the loop's per-stage weight: [repeats, groups per stage, ...]
+        shape = (r, *rest)
+        assert any(c.shape == shape and c.dtype == np.float32 for c in carries), f"no fp32 sum of {spec.axes}"
+        assert not any(c.shape == shape and c.dtype == jnp.bfloat16 for c in carries), f"bf16 sum of {spec.axes}"
 
 
 BF16_LAYOUTS = {

@@ -1,19 +1,24 @@
 """Training: accumulation and remat change nothing numerically; the CLI trains end to end."""
 
+import re
+
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import metrics, run, small_config, train_command
 
 from jaxllm.config import REMAT_POLICIES
 from jaxllm.parallel.mesh import make_mesh
+from jaxllm.train.faults import NonFiniteSteps
 from jaxllm.train.run import batch_sharding, build_run
-from jaxllm.train.step import compile_train_step, init_state, mean_loss
+from jaxllm.train.step import compile_train_step, init_params, init_state, mean_loss
 
 
-def _batch(cfg):
-    w = np.random.default_rng(1).integers(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len + 1))
+def _batch(cfg, seed=1):
+    w = np.random.default_rng(seed).integers(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len + 1))
     return {"inputs": w[:, :-1].astype(np.int32), "targets": w[:, 1:].astype(np.int32)}
 
 
@@ -58,6 +63,23 @@ def test_remat_policies_give_the_same_gradients():
         )
 
 
+def test_remat_policies_keep_less_in_order():
+    """Compiled temporaries of the gradient at seq 64 (saved activations dominate): none keeps
+    every activation, dots the matmul outputs, selective the named ones, full each layer's input,
+    group one input per shared-QKV group."""
+    cfg = small_config(num_layers=8, qkv_share_every=2)
+    cfg.train.update(seq_len=64, batch_size=2)
+    params, batch = init_params(cfg), _batch(cfg)
+    temporaries = {}
+    for policy in ("none", "dots", "selective", "full", "group"):
+        cfg.model.remat = policy
+        model = cfg.model.copy_and_resolve_references()
+        grad = jax.jit(jax.grad(lambda p, m=model: mean_loss(p, batch, m))).lower(params).compile()
+        temporaries[policy] = grad.memory_analysis().temp_size_in_bytes
+    sizes = list(temporaries.values())
+    assert all(a > b for a, b in zip(sizes, sizes[1:], strict=False)), temporaries
+
+
 LONGER = ["--config.train.steps=40", "--config.train.seq_len=64", "--config.train.log_every=10",
           "--config.data.eval_every=20", "--config.train.sample_tokens=16"]  # fmt: skip
 
@@ -82,6 +104,9 @@ def test_cli_trains_logs_and_samples(cli_run):
     assert [m["step"] for m in logged if "val_loss" in m] == [20, 40]
     assert val[1] < val[0], "validation loss should fall"
     assert "data: training a 512-token byte-level BPE" in out and "data: prepared" in out
+    shown = re.findall(r"loss=[^\]\r\n]*", out)  # the progress bar's figures, each time it was drawn
+    assert shown and not any("nan" in line for line in shown), shown
+    assert any("val=" in line for line in shown), "the bar should show the validation loss once there is one"
     events = list((workdir / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
 
@@ -119,3 +144,73 @@ def test_non_finite_step_leaves_params_and_optimizer_untouched():
         state, metrics = step(state, batch)
         assert float(metrics["lr"]) == pytest.approx(cfg.train.lr)  # warmup done after one applied update
         assert not np.array_equal(jax.device_get(state["params"]["embed"]), before["params"]["embed"])
+
+
+class _Flag:
+    """A step's skipped-update flag that records when the host reads it."""
+
+    def __init__(self, step: int, value: int, reads: list):
+        self.step, self.value, self.reads = step, value, reads
+
+    def __int__(self):
+        self.reads.append(self.step)
+        return self.value
+
+
+def test_non_finite_steps_are_counted_one_step_late_without_waiting_on_the_step_in_flight():
+    reads = []
+    steps = NonFiniteSteps(total=5, limit=2)
+    flags = {1: 0, 2: 1, 3: 0, 4: 1, 5: 1, 6: 1}
+    streaks = {}
+    for step, value in flags.items():
+        streaks[step] = steps.push(step, _Flag(step, value, reads))
+        assert reads == list(range(1, step)), "only earlier steps' flags may be read"
+    assert streaks == {1: None, 2: None, 3: None, 4: None, 5: None, 6: 4}  # steps 4 and 5: two in a row
+    assert steps.total == 5 + 3 and steps.total_so_far() == 5 + 4  # the held step 6 counts once read
+    assert steps.flush() == 4 and steps.in_a_row == 3 and steps.total == 5 + 4
+
+
+def _reference_optimizer(train) -> optax.GradientTransformation:
+    """The optimizer the README describes, written here from optax parts: clip by global norm,
+    Adam, decoupled weight decay on everything but norm scales, linear warmup then cosine decay
+    to `min_lr_ratio` of the peak at the last step."""
+
+    def lr(count):
+        warm = train.lr * count / train.warmup_steps
+        progress = jnp.clip((count - train.warmup_steps) / (train.steps - train.warmup_steps), 0.0, 1.0)
+        floor = train.lr * train.min_lr_ratio
+        cosine = floor + (train.lr - floor) * 0.5 * (1 + jnp.cos(jnp.pi * progress))
+        return jnp.where(count < train.warmup_steps, warm, cosine)
+
+    def decayed(params):
+        return jax.tree_util.tree_map_with_path(lambda path, _: "norm" not in jax.tree_util.keystr(path), params)
+
+    return optax.chain(
+        optax.clip_by_global_norm(train.clip_norm),
+        optax.scale_by_adam(b1=train.b1, b2=train.b2, eps=train.eps),
+        optax.add_decayed_weights(train.weight_decay, mask=decayed),
+        optax.scale_by_learning_rate(lr),
+    )
+
+
+def test_three_training_steps_equal_an_independently_written_optimizer():
+    cfg = small_config()
+    cfg.train.update(steps=4, warmup_steps=1, lr=1e-2, weight_decay=0.5, clip_norm=0.05)  # step 3 decays
+    mesh = make_mesh(cfg.parallel, jax.devices()[:1])
+    batches = [_batch(cfg, seed) for seed in range(3)]
+    with jax.set_mesh(mesh):
+        state = init_state(build_run(cfg, mesh))
+        params = jax.device_get(state["params"])
+        step = compile_train_step(build_run(cfg, mesh))
+        for batch in batches:
+            state, _ = step(state, batch)
+        got = jax.device_get(state["params"])
+        grad_fn = jax.jit(jax.grad(lambda p, b: mean_loss(p, b, cfg.model)))
+        optimizer = _reference_optimizer(cfg.train)
+        opt_state = optimizer.init(params)
+        for batch in batches:
+            grads = grad_fn(params, batch)
+            assert optax.tree.norm(grads) > cfg.train.clip_norm, "clipping should be active"
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+    chex.assert_trees_all_close(got, jax.device_get(params), atol=1e-6)

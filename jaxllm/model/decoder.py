@@ -25,8 +25,8 @@ from flax import nnx
 from jaxllm.config import sizes
 from jaxllm.model import layers
 from jaxllm.model.blocks import UNSTACKED, Attention, DecoderLayer, Norm, Stack
-from jaxllm.model.params import Params, declare, init_params, is_norm, params_of, specs_of
-from jaxllm.parallel.pipeline import pipeline_stack
+from jaxllm.model.params import Params, declare, init_params, params_of, specs_of
+from jaxllm.parallel.pipeline import gather_stage_weights, pipeline_stack
 from jaxllm.parallel.rules import AXIS_RULES, constrain
 from jaxllm.parallel.schedule import Schedule
 
@@ -127,31 +127,38 @@ class Decoder(nnx.Module):
         return decoder
 
     def __call__(
-        self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
+        self,
+        tokens: jax.Array,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        copies: Params | None = None,
     ) -> jax.Array:
-        """fp32 logits [batch, seq, padded_vocab]; padded vocab entries are masked to NEG_INF."""
+        """fp32 logits [batch, seq, padded_vocab]; padded vocab entries are masked to NEG_INF. A
+        pipelined decoder computes with `copies` (see `stage_copies`), or gathers its own."""
         model = self.model
         dt = jnp.dtype(model.dtype)
         ctx = layers.make_context(tokens, segment_ids, positions, sizes(model).head_dim, model.rope_theta)
-        # Gather the table's FSDP shards first (as for any weight), then look up vocab-sharded rows.
-        table = constrain(self.embed.get_value(), "vocab", None).astype(dt)
-        x = constrain(jnp.take(table, tokens, axis=0), "batch", "seq", "act_embed")
-        x = self._stack(x, ctx)
+        # Gather the table's FSDP shards first (as for any weight), then look up vocab-sharded rows
+        # of the fp32 table: the lookup's gradient adds every occurrence of a token into its row,
+        # which in bf16 would stop growing after a few hundred occurrences.
+        table = constrain(self.embed.get_value(), "vocab", None)
+        x = constrain(jnp.take(table, tokens, axis=0).astype(dt), "batch", "seq", "act_embed")
+        x = self._stack(x, ctx, copies)
         x = self.final_norm(x)
         head = self.embed.get_value().T if model.tie_embeddings else self.lm_head.get_value()
         logits = jnp.einsum("bte,ev->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
-        logits = constrain(logits, "batch", "seq", "vocab")
+        logits = constrain(logits, "batch", "head_seq", "vocab")
         return jnp.where(jnp.arange(sizes(model).padded_vocab) < model.vocab_size, logits, layers.NEG_INF)
 
-    def _stack(self, x: jax.Array, ctx: layers.Context) -> jax.Array:
+    def _stack(self, x: jax.Array, ctx: layers.Context, copies: Params | None) -> jax.Array:
         graph, groups = nnx.graphdef(self.groups), params_of(self.groups)
         run = partial(scan_groups, graph, self.model.remat)
         if self.schedule is None:
             return run(groups, x, ctx)
-        # Cast before the pipeline's one FSDP gather, so it moves compute-dtype bytes.
-        dt = jnp.dtype(self.model.dtype)
-        groups = jax.tree_util.tree_map_with_path(lambda p, a: a if is_norm(p) else a.astype(dt), groups)
-        return pipeline_stack(groups, specs_of(self.groups), x, ctx, self.schedule, run)
+        specs = specs_of(self.groups)
+        if copies is None:
+            copies = gather_stage_weights(groups, specs, jnp.dtype(self.model.dtype))
+        return pipeline_stack(groups, specs, x, ctx, self.schedule, run, copies)
 
 
 def _check_matches(specs: dict, params: Params) -> None:
@@ -185,6 +192,15 @@ def param_specs(model: ml_collections.ConfigDict, schedule: Schedule | None = No
     return specs_of(abstract_decoder(model, schedule))
 
 
+def stage_copies(params: Params, model: ml_collections.ConfigDict, schedule: Schedule | None) -> Params | None:
+    """What a pipeline's loop computes with: its stage weights in the compute dtype, gathered over
+    `fsdp` (see `gather_stage_weights`); None without a pipeline. A train step builds them once and
+    passes them to each accumulation microstep's `forward`."""
+    if schedule is None:
+        return None
+    return gather_stage_weights(params["groups"], param_specs(model, schedule)["groups"], jnp.dtype(model.dtype))
+
+
 def forward(
     params: Params,
     tokens: jax.Array,
@@ -192,7 +208,8 @@ def forward(
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
     schedule: Schedule | None = None,
+    copies: Params | None = None,
 ) -> jax.Array:
     """The decoder on a plain params dict (the train state's). With a pipeline `schedule`, params
-    hold the groups in its view (see `Decoder`)."""
-    return Decoder.from_params(model, params, schedule)(tokens, segment_ids, positions)
+    hold the groups in its view (see `Decoder`), and `copies` may hold their `stage_copies`."""
+    return Decoder.from_params(model, params, schedule)(tokens, segment_ids, positions, copies)

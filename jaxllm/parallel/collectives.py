@@ -1,7 +1,7 @@
 """Collectives used inside `shard_map` regions.
 
 XLA's CPU backend (jax 0.10) aborts compiling bf16 all-reduces inside shard_map ("Invalid binary
-instruction opcode copy"), so on CPU the all-reduces below, and the ones JAX derives for their
+instruction opcode copy"), so on CPU the reductions below, and the ones JAX derives for their
 gradients, run in fp32. Accelerators reduce in the input's dtype, as Megatron does.
 """
 
@@ -20,6 +20,13 @@ def all_reduce_sum(x: jax.Array, axis: str) -> jax.Array:
     if _reduce_in_fp32(x):
         return jax.lax.psum(x.astype(jnp.float32), axis).astype(x.dtype)
     return jax.lax.psum(x, axis)
+
+
+def reduce_scatter_sum(x: jax.Array, axis: str, dim: int) -> jax.Array:
+    """`psum_scatter` over a manual mesh axis, each device keeping its block of `dim`."""
+    if _reduce_in_fp32(x):
+        return jax.lax.psum_scatter(x.astype(jnp.float32), axis, scatter_dimension=dim, tiled=True).astype(x.dtype)
+    return jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
 
 
 def to_varying(x: jax.Array, axis: str) -> jax.Array:

@@ -1,11 +1,17 @@
 """Scan-based pipeline over layer stages: GPipe (repeats=1) and circular/interleaved (repeats>1).
 
 The groups come in the pipeline view (see `schedule`), with `stages` on the `stage` mesh axis. One
-`lax.scan` inside a `shard_map` manual over `stage` and `tensor` runs
-repeats·microbatches + stages − 1 iterations; in each, every stage applies its groups to its current
-microbatch and shifts the result to the next stage with a `ppermute`. Iteration k of stage s works
-on microbatch (k − s) mod M of repeat (k − s) // M, so with M > S the last stage's output waits
-M − S iterations in a small delay line before stage 0 takes it into the next repeat.
+`lax.scan` inside a `shard_map` manual over every mesh axis runs repeats·microbatches + stages − 1
+iterations; in each, every stage applies its groups to its current microbatch and shifts the result
+to the next stage with a `ppermute`. Iteration k of stage s works on microbatch (k − s) mod M of
+repeat (k − s) // M, so with M > S the last stage's output waits M − S iterations in a small delay
+line before stage 0 takes it into the next repeat.
+
+Weights, as Megatron keeps them: the loop reads compute-dtype (bf16) copies gathered over `fsdp`
+once per step, while their gradients add up per device in fp32 across all iterations and are
+reduced over the data-parallel devices once, in fp32, after the loop. (A scan sums a constant's
+cotangent in that constant's dtype, so the bf16 copies pass no gradient; each use hands its
+cotangent to an fp32 "sink" shaped like the copy instead.)
 """
 
 from __future__ import annotations
@@ -16,18 +22,92 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.parallel.collectives import all_reduce_sum, to_varying
-from jaxllm.parallel.rules import RULES, constrain, manual_spec
+from jaxllm.config import MESH_AXES
+from jaxllm.model.params import is_norm
+from jaxllm.parallel.collectives import reduce_scatter_sum, to_varying
+from jaxllm.parallel.rules import RULES, as_tuple, constrain, manual_spec
 from jaxllm.parallel.schedule import Schedule, split_microbatches
 
-MANUAL_AXES = frozenset({"stage", "tensor"})  # the pipeline handles both by hand; data and fsdp stay automatic
-
-# Inside the pipeline a stage's weights are whole on the FSDP dim (gathered once per step).
-_GATHERED = {**RULES, "embed": None}
+MANUAL_AXES = frozenset(MESH_AXES)
+BATCH_AXES = as_tuple(RULES["batch"])  # the data-parallel mesh axes
+_GATHERED = {**RULES, "embed": None}  # a stage's weights inside the loop: whole on the FSDP dim
 
 
 def _is_axes(x) -> bool:
     return isinstance(x, tuple)
+
+
+def _stage_major_arrays(groups):
+    """[repeats, stages, ...] → [stages, repeats, ...], the loop's order."""
+    return jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), groups)
+
+
+def _stage_major(specs):
+    """Logical axes of each weight as the loop takes it: [stages, repeats, groups_per_stage, ...]."""
+    return jax.tree.map(lambda s: (s.axes[1], s.axes[0], *s.axes[2:]), specs, is_leaf=lambda x: hasattr(x, "axes"))
+
+
+def gather_stage_weights(groups, specs, dtype) -> dict:
+    """The copies the loop computes with: stage-major, cast to `dtype` (norm scales stay fp32) and
+    gathered over `fsdp`. Built once per step; with gradient accumulation, the step passes them to
+    every microstep's pipeline."""
+
+    def one(path, a, axes):
+        return constrain(a if is_norm(path) else a.astype(dtype), *axes, rules=_GATHERED)
+
+    copies = jax.tree_util.tree_map_with_path(one, _stage_major_arrays(groups), _stage_major(specs))
+    return jax.lax.stop_gradient(copies)
+
+
+def _varying(x: jax.Array) -> frozenset[str]:
+    return jax.typeof(x).manual_axis_type.varying
+
+
+def _varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
+    """`x` marked per-device along every manual axis that `like` varies over."""
+    missing = tuple(_varying(like) - _varying(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _grad_sink(shard: jax.Array, copy: jax.Array, spec: P) -> jax.Array:
+    """fp32 zeros shaped like `copy` (this device's gathered weight); the gradient they receive is
+    summed over the data-parallel devices and lands on `shard` (this device's fp32 parameter)."""
+    return _varying_like(jnp.zeros(copy.shape, jnp.float32), copy)
+
+
+def _grad_sink_fwd(shard, copy, spec):
+    return _grad_sink(shard, copy, spec), None
+
+
+def _grad_sink_bwd(spec, _, grad):
+    """One fp32 reduce-scatter over the axes that split the parameter, one sum over the others."""
+    split = {axis: dim for dim, axes in enumerate(spec) for axis in as_tuple(axes) if axis in BATCH_AXES}
+    for axis, dim in split.items():
+        grad = reduce_scatter_sum(grad, axis, dim)
+    if rest := tuple(a for a in BATCH_AXES if a not in split):
+        grad = jax.lax.psum(grad, rest)
+    return grad, None
+
+
+_grad_sink.defvjp(_grad_sink_fwd, _grad_sink_bwd)
+
+
+@jax.custom_vjp
+def _with_fp32_grad(copy: jax.Array, sink: jax.Array) -> jax.Array:
+    """`copy`, whose cotangent goes to `sink` in fp32."""
+    return copy
+
+
+def _with_fp32_grad_fwd(copy, sink):
+    return copy, None
+
+
+def _with_fp32_grad_bwd(_, grad):
+    return None, grad.astype(jnp.float32)
+
+
+_with_fp32_grad.defvjp(_with_fp32_grad_fwd, _with_fp32_grad_bwd)
 
 
 def _merge(a: jax.Array) -> jax.Array:
@@ -35,42 +115,40 @@ def _merge(a: jax.Array) -> jax.Array:
     return jnp.swapaxes(a, 0, 1).reshape(-1, *a.shape[2:])
 
 
-def pipeline_stack(groups, specs, x: jax.Array, ctx, schedule: Schedule, stack_fn):
+def pipeline_stack(groups, specs, x: jax.Array, ctx, schedule: Schedule, stack_fn, copies):
     """Runs `stack_fn(stage_groups, x, ctx)` (a scan over one stage's groups) as a pipeline.
 
-    `groups` are in the pipeline view, `specs` their ParamSpecs. They are gathered over `fsdp`
-    once, before the loop, so the loop body never all-gathers weights; each iteration is
-    rematerialised, so the backward pass stores only iteration inputs.
+    `groups` are the fp32 parameters in the pipeline view, `specs` their ParamSpecs, `copies` the
+    `gather_stage_weights` of them. Each iteration is rematerialised, so the backward pass stores
+    only iteration inputs. The output leaves the loop with its sequence split over `stage`, so the
+    head and loss after it run once, not on every stage.
     """
     r, s, m = schedule.repeats, schedule.stages, schedule.microbatches
     delay = m - s if r > 1 else 0  # iterations the last stage's output waits for stage 0
-    # [stages, repeats, groups_per_stage, ...], whole on `embed`: one FSDP gather per step.
-    stage_major = jax.tree.map(
-        lambda spec: (spec.axes[1], spec.axes[0], *spec.axes[2:]), specs, is_leaf=lambda x: hasattr(x, "axes")
-    )
-    weights = jax.tree.map(
-        lambda a, axes: constrain(jnp.swapaxes(a, 0, 1), *axes, rules=_GATHERED), groups, stage_major
-    )
-    weight_specs = jax.tree.map(lambda axes: manual_spec(*axes, manual_axes=MANUAL_AXES), stage_major, is_leaf=_is_axes)
+    axes = _stage_major(specs)
+    spec_of = partial(manual_spec, manual_axes=MANUAL_AXES)
+    shard_specs = jax.tree.map(lambda a: spec_of(*a), axes, is_leaf=_is_axes)
+    copy_specs = jax.tree.map(lambda a: spec_of(*a, rules=_GATHERED), axes, is_leaf=_is_axes)
+    batch = spec_of("batch")[0]
     micro = split_microbatches(x, m)
     ctx_micro = jax.tree.map(partial(split_microbatches, m=m), ctx)
     to_next_stage = [(j, (j + 1) % s) for j in range(s)]
 
-    def one_stage(weights, micro, ctx_micro):
-        """The loop as seen by one stage (the `stage` axis is manual here)."""
+    def one_stage(shards, copies, micro, ctx_micro):
+        """The loop as seen by one device."""
         stage = jax.lax.axis_index("stage")
-        weights = jax.tree.map(lambda a: a[0], weights)
         micro = to_varying(micro, "stage")
+        copies = jax.tree.map(lambda c: _varying_like(c[0], micro), copies)
+        sinks = jax.tree.map(
+            lambda w, c, spec: _grad_sink(w[0], c, P(*spec[1:])), shards, copies, shard_specs, is_leaf=_is_axes
+        )
 
         def iteration(carry, i):
             stage_in, waiting = carry
             work = i - stage  # repeat·M + microbatch of this stage's current work
             repeat, mb = jnp.clip(work // m, 0, r - 1), work % m
-            out = stack_fn(
-                jax.tree.map(lambda a: a[repeat], weights),
-                stage_in,
-                jax.tree.map(lambda a: a[mb], ctx_micro),
-            )
+            weights = jax.tree.map(lambda c, sink: _with_fp32_grad(c[repeat], sink[repeat]), copies, sinks)
+            out = stack_fn(weights, stage_in, jax.tree.map(lambda a: a[mb], ctx_micro))
             shifted = jax.lax.ppermute(out, "stage", to_next_stage)  # on stage 0: the last stage's output
             if delay:
                 fed_back, waiting = waiting[i % delay], waiting.at[i % delay].set(shifted)
@@ -81,13 +159,18 @@ def pipeline_stack(groups, specs, x: jax.Array, ctx, schedule: Schedule, stack_f
             return (jnp.where(stage == 0, first, shifted), waiting), shifted
 
         stage_in = jnp.where(stage == 0, micro[0], jnp.zeros_like(micro[0]))
-        waiting = jax.lax.pcast(jnp.zeros((delay, *micro.shape[1:]), x.dtype), "stage", to="varying")
+        waiting = _varying_like(jnp.zeros((delay, *micro.shape[1:]), x.dtype), stage_in)
         body = jax.checkpoint(iteration, policy=jax.checkpoint_policies.nothing_saveable)
         _, finished = jax.lax.scan(body, (stage_in, waiting), jnp.arange(schedule.iterations))
         # Microbatch j leaves the last stage for good at iteration (repeats−1)·M + j + stages − 1;
-        # stage 0 holds it, and shares it with every stage for the head and loss.
+        # stage 0 holds it, and each stage takes a 1/stages slice of its sequence for the head.
         out = finished[schedule.iterations - m :]
-        return all_reduce_sum(jnp.where(stage == 0, out, jnp.zeros_like(out)), "stage")
+        return reduce_scatter_sum(jnp.where(stage == 0, out, jnp.zeros_like(out)), "stage", 2)
 
-    run = jax.shard_map(one_stage, in_specs=(weight_specs, P(), P()), out_specs=P(), axis_names=MANUAL_AXES)
-    return _merge(run(weights, micro, ctx_micro))
+    run = jax.shard_map(
+        one_stage,
+        in_specs=(shard_specs, copy_specs, P(None, batch), P(None, batch)),
+        out_specs=P(None, batch, "stage"),
+        axis_names=MANUAL_AXES,
+    )
+    return _merge(run(_stage_major_arrays(groups), copies, micro, ctx_micro))

@@ -29,6 +29,7 @@ RULES: dict[str, MeshAxes] = {
     "repeats": None,
     "sublayers": None,
     "stages": "stage",  # the pipeline view's stage dim
+    "head_seq": "stage",  # after a pipeline, the head and loss split the sequence over its stages
 }
 
 # The same table as (logical, mesh axes) pairs, for Flax: `with nnx.logical_axis_rules(AXIS_RULES): ...`.
@@ -38,7 +39,7 @@ AXIS_RULES: tuple[tuple[str, MeshAxes], ...] = tuple(RULES.items())
 OPTIMIZER_RULES: dict[str, MeshAxes] = {**RULES, "embed": ("fsdp", "data")}
 
 
-def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+def as_tuple(axes: MeshAxes) -> tuple[str, ...]:
     if axes is None:
         return ()
     return (axes,) if isinstance(axes, str) else tuple(axes)
@@ -54,7 +55,7 @@ def logical_spec(
     a dim are left out (used for ZeRO-1, whose extra data split is an optimisation, not a must)."""
     out = []
     for i, name in enumerate(names):
-        axes = _as_tuple(rules[name]) if name is not None else ()
+        axes = as_tuple(rules[name]) if name is not None else ()
         if shape is not None and mesh is not None:
             kept, size = [], 1
             for a in axes:
@@ -70,8 +71,9 @@ def logical_spec(
 
 def constrain(x: jax.Array, *names: str | None, rules: Mapping[str, MeshAxes] = RULES) -> jax.Array:
     """Pins an array's sharding by logical names; without a mesh in context (a notebook, one
-    device) there is nothing to pin."""
-    if jax.sharding.get_abstract_mesh().empty:
+    device), or inside a region manual over every mesh axis (the pipeline), there is nothing to pin."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or set(mesh.manual_axes) == set(mesh.axis_names):
         return x
     return jax.lax.with_sharding_constraint(x, logical_spec(names, rules))
 
@@ -86,11 +88,13 @@ def tree_shardings(specs, mesh: Mesh, rules: Mapping[str, MeshAxes] = RULES, *, 
     return jax.tree.map(one, specs, is_leaf=lambda x: hasattr(x, "axes") and hasattr(x, "shape"))
 
 
-def manual_spec(*names: str | None, manual_axes: frozenset[str] = frozenset({"tensor"})) -> PartitionSpec:
+def manual_spec(
+    *names: str | None, manual_axes: frozenset[str] = frozenset({"tensor"}), rules: Mapping[str, MeshAxes] = RULES
+) -> PartitionSpec:
     """The part of a logical spec that a `shard_map` over `manual_axes` handles by hand; the other
     mesh axes stay automatic (GSPMD)."""
     dims = []
     for name in names:
-        kept = tuple(a for a in _as_tuple(RULES[name] if name else None) if a in manual_axes)
+        kept = tuple(a for a in as_tuple(rules[name] if name else None) if a in manual_axes)
         dims.append(kept[0] if len(kept) == 1 else (kept or None))
     return PartitionSpec(*dims)

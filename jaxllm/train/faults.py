@@ -1,5 +1,6 @@
-"""Signals in and out of a training process: preemption requests, liveness heartbeats, and the
-fault injection that tests use to kill a run at a chosen point."""
+"""What goes wrong in a training process and the signals around it: non-finite steps, preemption
+requests, liveness heartbeats, and the fault injection that tests use to kill a run at a chosen
+point."""
 
 from __future__ import annotations
 
@@ -12,6 +13,42 @@ import jax
 from jax.experimental import multihost_utils
 
 HEARTBEAT_ENV = "JAXLLM_HEARTBEAT_FILE"
+
+
+class NonFiniteSteps:
+    """Counts skipped (non-finite) updates one step late: a step's flag is read once the next step
+    is queued behind it, so the read never leaves the device idle and dispatch stays asynchronous."""
+
+    def __init__(self, total: int, limit: int):
+        self.total, self.limit, self.in_a_row = total, limit, 0
+        self.pending: tuple[int, jax.Array] | None = None
+
+    def push(self, step: int, flag: jax.Array) -> int | None:
+        """Holds `step`'s flag (a device scalar, 1 if its update was skipped) and reads the previous
+        step's. Returns the first step of the streak when that one makes `limit` in a row."""
+        previous, self.pending = self.pending, (step, flag)
+        return None if previous is None else self._read(*previous)
+
+    def flush(self) -> int | None:
+        """Reads the held flag (at the end of a run)."""
+        previous, self.pending = self.pending, None
+        return None if previous is None else self._read(*previous)
+
+    def total_so_far(self) -> int:
+        """Skipped updates including the held step's, for a checkpoint or log that waits for it anyway."""
+        return self.total + (int(self.pending[1]) if self.pending else 0)
+
+    def restart(self) -> None:
+        """After a roll back: the streak is over, and the held step ran on the state left behind."""
+        self.in_a_row, self.pending = 0, None
+
+    def _read(self, step: int, flag: jax.Array) -> int | None:
+        if not int(flag):
+            self.in_a_row = 0
+            return None
+        self.in_a_row, self.total = self.in_a_row + 1, self.total + 1
+        print(f"step {step}: non-finite loss or gradients, update skipped ({self.in_a_row} in a row)", flush=True)
+        return step - self.in_a_row + 1 if self.in_a_row >= self.limit else None
 
 
 class Preemption:

@@ -23,7 +23,7 @@ from jaxllm.data.dataset import prepare_data
 from jaxllm.data.loader import eval_batches, train_batches
 from jaxllm.model.generate import generate
 from jaxllm.parallel.mesh import describe, make_mesh
-from jaxllm.train.faults import Preemption, heartbeat, kill_self
+from jaxllm.train.faults import NonFiniteSteps, Preemption, heartbeat, kill_self
 from jaxllm.train.metrics import MetricsWriter, memory_in_use, peak_flops
 from jaxllm.train.run import Run, State, build_run
 from jaxllm.train.step import compile_eval_step, compile_train_step, init_state
@@ -54,13 +54,14 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, progre
             for step in loop.bar:
                 loop.state, metrics = loop.step_fn(loop.state, loop.next_batch())
                 heartbeat(step)
-                loop.handle_non_finite(step, metrics)
+                loop.handle_non_finite(loop.non_finite.push(step, metrics["skipped"]))
                 loop.checkpoint(step)
                 stopping = loop.preemption.reached(step)
                 loop.log(step, metrics, force=stopping)
                 if stopping:
                     loop.save_and_stop(step)
                     return loop.last
+            loop.handle_non_finite(loop.non_finite.flush())
         finally:  # on success, preemption or error alike: flush metrics, finish pending saves
             loop.close()
         sample = loop.sample()
@@ -109,13 +110,14 @@ class Loop:
 
         self.checkpoints = run.checkpointer(workdir)
         restored = self.checkpoints.restore_latest()
-        self.skipped = 0  # non-finite steps so far, carried across restarts with the data position
+        skipped = 0  # non-finite steps so far, carried across restarts with the data position
         if restored is None:
             self.state, self.start = init_state(run), 0
         else:
             self.state, self.start = restored.state, restored.step
             self.batches.set_state(restored.data_state["loader"])
-            self.skipped = restored.data_state["skipped_total"]
+            skipped = restored.data_state["skipped_total"]
+        self.non_finite = NonFiniteSteps(skipped, cfg.checkpoint.max_bad_steps)
         self.writer = MetricsWriter(workdir, start_step=self.start)
         self.step_fn, self.eval_fn = compile_train_step(run), compile_eval_step(run)
         self.preemption = Preemption()
@@ -129,7 +131,7 @@ class Loop:
             dynamic_ncols=True,
             mininterval=1.0,
         )
-        self.last, self.latest_val, self.bad_steps = {}, {}, 0
+        self.last, self.latest_val = {}, {}
         self.clock, self.clock_step, self.saved_step = time.perf_counter(), self.start, self.start
 
     def _global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -143,23 +145,19 @@ class Loop:
 
     def position(self) -> dict:
         """What a checkpoint keeps besides the arrays: where the data is, and the skip count."""
-        return {"loader": self.batches.get_state(), "skipped_total": self.skipped}
+        return {"loader": self.batches.get_state(), "skipped_total": self.non_finite.total_so_far()}
 
-    def handle_non_finite(self, step: int, metrics: dict) -> None:
-        """A skipped update is counted; `checkpoint.max_bad_steps` in a row roll back to the newest
-        checkpoint saved before the streak began, and the batches since stay behind."""
-        if not int(metrics["skipped"]):
-            self.bad_steps = 0
-            return
-        self.bad_steps, self.skipped = self.bad_steps + 1, self.skipped + 1
-        print(f"step {step}: non-finite loss or gradients, update skipped ({self.bad_steps} in a row)", flush=True)
-        if self.bad_steps < self.run.cfg.checkpoint.max_bad_steps:
+    def handle_non_finite(self, streak_start: int | None) -> None:
+        """After `checkpoint.max_bad_steps` skipped updates in a row (counted by `non_finite`), rolls
+        back to the newest checkpoint saved before the streak began; the batches since stay behind."""
+        if streak_start is None:
             return
         self.checkpoints.wait()
-        if (back := roll_back(self.checkpoints, self.state, before=step - self.bad_steps + 1)) is not None:
+        if (back := roll_back(self.checkpoints, self.state, before=streak_start)) is not None:
             self.state, good_step = back
-            print(f"step {step}: back to the params of step {good_step}; the batches since are skipped")
-            self.bad_steps = 0
+            last_bad = streak_start + self.non_finite.in_a_row - 1
+            print(f"step {last_bad}: back to the params of step {good_step}; the batches since are skipped")
+            self.non_finite.restart()
 
     def checkpoint(self, step: int) -> None:
         debug = self.run.cfg.debug
@@ -182,7 +180,8 @@ class Loop:
         t = self.run.cfg.train
         evaluating = step % self.run.cfg.data.eval_every == 0 or step == t.steps
         if evaluating or step % t.log_every == 0 or force:
-            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()} | {"skipped_total": self.skipped}
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            metrics["skipped_total"] = self.non_finite.total_so_far()
             if self.clock_step > self.start:  # the first step after start-up also paid for compilation
                 step_time = (time.perf_counter() - self.clock) / (step - self.clock_step)
                 metrics |= {
@@ -199,14 +198,19 @@ class Loop:
                 metrics |= self.latest_val
             self.writer.write(step, metrics)
             self.last = {"step": step, **metrics}
-            self.bar.set_postfix(
-                loss=f"{metrics['loss']:.3f}",
-                val=f"{self.latest_val.get('val_loss', float('nan')):.3f}",
-                tok_s=f"{metrics.get('tokens_per_s', float('nan')):.0f}",
-                mfu=f"{metrics.get('mfu', 0):.1%}",
-            )
+            self.bar.set_postfix(self._postfix(metrics))
         if step == self.start + 1 or evaluating or step % t.log_every == 0:
             self.clock, self.clock_step = time.perf_counter(), step  # compilation and evaluation are not training time
+
+    def _postfix(self, metrics: dict) -> dict[str, str]:
+        """What the progress bar shows: only figures measured so far (no validation loss before
+        the first evaluation, no speed for the step that paid for compilation)."""
+        shown = {"loss": f"{metrics['loss']:.3f}"}
+        if "val_loss" in self.latest_val:
+            shown["val"] = f"{self.latest_val['val_loss']:.3f}"
+        if "tokens_per_s" in metrics:
+            shown |= {"tok_s": f"{metrics['tokens_per_s']:.0f}", "mfu": f"{metrics['mfu']:.1%}"}
+        return shown
 
     def save_and_stop(self, step: int) -> None:
         if self.saved_step != step:

@@ -10,7 +10,7 @@ import ml_collections
 import optax
 from flax import nnx
 
-from jaxllm.model.decoder import Decoder, forward
+from jaxllm.model.decoder import Decoder, forward, stage_copies
 from jaxllm.model.params import params_of
 from jaxllm.parallel.schedule import Schedule, schedule_of, split_microbatches
 from jaxllm.train.optim import learning_rate
@@ -20,10 +20,15 @@ Batch = dict[str, jax.Array]  # 'inputs', 'targets', optional 'loss_mask', 'segm
 
 
 def loss_sums(
-    params: dict, batch: Batch, model: ml_collections.ConfigDict, schedule: Schedule | None = None
+    params: dict,
+    batch: Batch,
+    model: ml_collections.ConfigDict,
+    schedule: Schedule | None = None,
+    copies: dict | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """(sum of next-token cross-entropy over unmasked tokens, number of unmasked tokens), in fp32."""
-    logits = forward(params, batch["inputs"], model, batch.get("segment_ids"), batch.get("positions"), schedule)
+    inputs, segments, positions = batch["inputs"], batch.get("segment_ids"), batch.get("positions")
+    logits = forward(params, inputs, model, segments, positions, schedule, copies)
     lse = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
     mask = batch.get("loss_mask", jnp.ones_like(batch["targets"])).astype(jnp.float32)
@@ -59,10 +64,11 @@ def train_step(state: State, batch: Batch, run: Run) -> tuple[State, dict]:
     model, accum = cfg.model, cfg.train.grad_accum_steps
     grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
     params = state["params"]
+    copies = stage_copies(params, model, run.schedule)  # a pipeline's FSDP gather: once per step
 
     def accumulate(carry, micro):
         total, count, grads = carry
-        (loss, n), g = grad_fn(params, micro, model, run.schedule)
+        (loss, n), g = grad_fn(params, micro, model, run.schedule, copies)
         grads = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grads, g), run.shardings["params"])
         return (total + loss, count + n, grads), None
 
