@@ -24,21 +24,29 @@ from jaxllm.parallel.schedule import canonical_view, schedule_of
 from jaxllm.train.run import batch_sharding, build_run
 from jaxllm.train.step import compile_eval_step, compile_train_step, init_state, mean_loss
 
-# (stages, microbatches, repeats, other mesh axes[, remat]): covers M ∈ {S, 2S}, R ∈ {1, 2}, S ∈ {2, 4}
-# and the combined layouts.
+# (stages, microbatches, repeats, other mesh axes, model options): covers M ∈ {S, 2S}, R ∈ {1, 2},
+# S ∈ {2, 4}, the combined layouts, and every model option through the pipeline.
 CASES = {
-    "S2 M2 R1 data4": (2, 2, 1, dict(data=4)),
-    "S2 M4 R2 data4": (2, 4, 2, dict(data=4)),
-    "S4 M4 R1 data2": (4, 4, 1, dict(data=2)),
-    "S4 M8 R2 data2": (4, 8, 2, dict(data=2)),
-    "S2 M4 R1 tensor2 data2": (2, 4, 1, dict(tensor=2, data=2)),
-    "S2 M2 R2 fsdp2 tensor2": (2, 2, 2, dict(fsdp=2, tensor=2, data=1)),
-    "S4 M4 R2 data2 remat full": (4, 4, 2, dict(data=2), "full"),
-}
+    "S2 M2 R1 data4": (2, 2, 1, dict(data=4), {}),
+    "S2 M4 R2 data4": (2, 4, 2, dict(data=4), {}),
+    "S4 M4 R1 data2": (4, 4, 1, dict(data=2), {}),
+    "S4 M8 R2 data2": (4, 8, 2, dict(data=2), {}),
+    "S2 M4 R1 tensor2 data2": (2, 4, 1, dict(tensor=2, data=2), {}),
+    "S2 M2 R2 fsdp2 tensor2": (2, 2, 2, dict(fsdp=2, tensor=2, data=1), {}),
+    "S4 M4 R2 data2 remat full": (4, 4, 2, dict(data=2), dict(remat="full")),
+    "S2 M2 R2 fsdp2 data2 layernorm geglu tied mha": (
+        2, 2, 2, dict(fsdp=2, data=2),
+        dict(norm="layernorm", mlp_activation="geglu", tie_embeddings=True, num_kv_heads=8),
+    ),
+    "S2 M2 R1 tensor2 data2 gelu share 4": (
+        2, 2, 1, dict(tensor=2, data=2), dict(mlp_activation="gelu", qkv_share_every=4),
+    ),
+    "S2 M2 R1 data4 share 1": (2, 2, 1, dict(data=4), dict(num_layers=8, qkv_share_every=1)),
+}  # fmt: skip
 
 
 def _config(stages, microbatches, repeats, axes, **model):
-    cfg = small_config(num_layers=16, qkv_share_every=2, **model)  # 8 groups
+    cfg = small_config(**{"num_layers": 16, "qkv_share_every": 2, **model})  # 8 groups by default
     cfg.parallel.update(stage=stages, microbatches=microbatches, repeats=repeats, **axes)
     return cfg
 
@@ -50,8 +58,7 @@ def _batch(cfg):
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_pipeline_matches_sequential_loop(case):
-    stages, microbatches, repeats, axes, *remat = case
-    cfg = _config(stages, microbatches, repeats, axes, remat=remat[0] if remat else "none")
+    cfg = _config(*case[:4], **case[4])
     mesh = make_mesh(cfg.parallel)
     batch = _batch(cfg)
     with jax.set_mesh(mesh):
