@@ -155,5 +155,5 @@ def test_zero1_splits_adam_moments_over_data_where_the_dim_allows():
     for name, param, moment in _moment_shard_sizes(dict(data=2, fsdp=2, tensor=2), zero1=False):
         assert moment == param, name
     # hidden 36 does not split 8 ways: the moments stay whole over `data` rather than fail
-    for name, param, moment in _moment_shard_sizes(dict(data=8), True, hidden=36, num_heads=4, num_kv_heads=4):
+    for name, param, moment in _moment_shard_sizes(dict(data=8), zero1=True, hidden=36, num_heads=4, num_kv_heads=4):
         assert moment == param, name

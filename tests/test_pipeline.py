@@ -17,7 +17,7 @@ from conftest import ROOT, metrics, run, small_config, train_command
 from reference_model import reference_loss
 
 from jaxllm import plan
-from jaxllm.config import load_config
+from jaxllm.config import load_config, sizes
 from jaxllm.model import param_specs
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.schedule import canonical_view, schedule_of
@@ -126,7 +126,7 @@ def test_stage_weights_gathered_once_per_step_and_gradients_reduced_after_the_lo
     cfg.train.update(grad_accum_steps=accum, batch_size=32)
     text, _ = _compiled(cfg, compile_train_step)
     weights, grads = _stage_weight_shapes(cfg), _stage_weight_shapes(cfg, scattered=True)
-    embedding = _dims((cfg.model.hidden, 384 // cfg.parallel.tensor))
+    embedding = _dims((cfg.model.hidden, sizes(cfg.model).padded_vocab // cfg.parallel.tensor))
     assert embedding not in weights, "the embedding's gather must not pass for a stage weight's"
     gathered = _executed_shapes(text, "all-gather")
     assert {k: gathered[k] for k in weights} == weights, "each stage weight gathered exactly once per step"
@@ -146,7 +146,7 @@ def test_head_and_loss_run_once_on_a_slice_of_the_sequence_per_stage():
     cfg = _config(2, 2, 1, dict(tensor=2, data=2))
     cfg.train.seq_len = 32
     text, _ = _compiled(cfg, compile_eval_step, lambda state: state["params"])
-    rows, vocab = cfg.train.batch_size // cfg.parallel.data, 384 // cfg.parallel.tensor
+    rows, vocab = cfg.train.batch_size // cfg.parallel.data, sizes(cfg.model).padded_vocab // cfg.parallel.tensor
     assert f"f32[{rows},{cfg.train.seq_len // 2},{vocab}]" in text, "logits for half the sequence per stage"
     assert f"f32[{rows},{cfg.train.seq_len},{vocab}]" not in text, "logits for the whole sequence on a stage"
 
@@ -178,7 +178,7 @@ def _scan_carries(jaxpr):
                     yield from _scan_carries(getattr(sub, "jaxpr", sub))
 
 
-def _bf16_grads(layout, microbatches=None):
+def _bf16_grads(layout):
     cfg = small_config(num_layers=8, qkv_share_every=2, dtype="bfloat16")
     cfg.train.update(batch_size=64, seq_len=16)
     cfg.parallel.update(layout)
@@ -186,9 +186,9 @@ def _bf16_grads(layout, microbatches=None):
     with jax.set_mesh(mesh):
         run_ = build_run(cfg, mesh)
         params = init_state(run_)["params"]
+        batch = jax.device_put(_batch(cfg), run_.batch_sharding)
         grad_fn = jax.grad(lambda p, b: mean_loss(p, b, cfg.model, run_.schedule))
-        grads = jax.jit(grad_fn)(params, jax.device_put(_batch(cfg), run_.batch_sharding))
-        jaxpr = jax.make_jaxpr(grad_fn)(params, jax.device_put(_batch(cfg), run_.batch_sharding))
+        grads, jaxpr = jax.jit(grad_fn)(params, batch), jax.make_jaxpr(grad_fn)(params, batch)
     grads = jax.device_get(grads)
     if run_.schedule is not None:
         grads["groups"] = canonical_view(grads["groups"])
