@@ -8,6 +8,8 @@ Why these numbers:
 - 80 layers = 20 QKV groups, and pipeline stages must fall on group boundaries: 4 stages of 5 groups.
   Pipeline 8 would need a multiple of 32 layers (8 stages × 4 layers per group).
 - Tensor 8 stays inside one NVLink node; fsdp 2 shards params and optimizer state across the two replicas.
+  Sequence parallelism splits the residual stream between tensor-parallel blocks 8 ways along the
+  sequence, and with it each stage shift.
 - Global batch 64 sequences = 32 pipeline microbatches × 1 per fsdp replica × 2 replicas;
   bubble (stages−1)/(microbatches+stages−1) = 3/35 ≈ 8.6 %. Group remat ("checkpoint every 4 layers").
 """
@@ -30,7 +32,7 @@ def get_config():
         dtype="bfloat16",
         remat="group",
     )
-    cfg.parallel.update(data=1, fsdp=2, stage=4, tensor=8, microbatches=32, repeats=1)
+    cfg.parallel.update(data=1, fsdp=2, stage=4, tensor=8, microbatches=32, repeats=1, sequence_parallel=True)
     cfg.train.update(steps=100_000, batch_size=64, seq_len=2048, lr=6e-5, warmup_steps=2000, log_every=10)
     cfg.data.update(tokenizer="gpt2", dir="data/stdlib-gpt2")  # point data.inputs at your corpus
     return cfg

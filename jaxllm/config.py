@@ -46,7 +46,9 @@ def base_config() -> ml_collections.ConfigDict:
         init_std=0.02,
         norm_eps=1e-5,
     )
-    cfg.parallel = dict(data=-1, fsdp=1, stage=1, tensor=1, microbatches=1, repeats=1, zero1=True)
+    cfg.parallel = dict(
+        data=-1, fsdp=1, stage=1, tensor=1, microbatches=1, repeats=1, zero1=True, sequence_parallel=False
+    )
     cfg.train = dict(
         steps=100,
         batch_size=8,
@@ -253,9 +255,9 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[int, ...
         f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
         "lower train.seq_len or raise model.max_seq_len",
     )
-    _require(
-        t.seq_len % stage == 0,
-        f"train.seq_len={t.seq_len} is not divisible by parallel.stage={stage}: the head and loss after the "
-        f"pipeline split the sequence over its stages; use a multiple of {stage}",
-    )
+    if p.sequence_parallel:
+        split, why = tensor * stage, f"parallel.tensor×stage={tensor}×{stage}: sequence parallelism splits it"
+    else:
+        split, why = stage, f"parallel.stage={stage}: the head and loss after a pipeline split it over the stages"
+    _require(t.seq_len % split == 0, f"train.seq_len={t.seq_len} is not divisible by {why}; use a multiple of {split}")
     return shape

@@ -60,6 +60,10 @@ CASES = {
         {"parallel.stage": 2, "parallel.data": 4, "parallel.microbatches": 2, "train.seq_len": 15},
         ["train.seq_len=15 is not divisible by parallel.stage=2", "multiple of 2"],
     ),
+    "sequence vs tensor with sequence parallelism": (
+        {"parallel.tensor": 4, "parallel.data": 2, "parallel.sequence_parallel": True, "train.seq_len": 18},
+        ["train.seq_len=18 is not divisible by parallel.tensor×stage=4×1", "multiple of 4"],
+    ),
     "batch vs microbatches": (
         {"parallel.stage": 2, "parallel.data": 4, "parallel.microbatches": 8},
         ["train.batch_size=16", "4*1*1*8=32"],

@@ -11,7 +11,8 @@ from jaxllm.config import sizes
 from jaxllm.model import Decoder
 from jaxllm.model.layers import make_context
 from jaxllm.parallel.mesh import make_mesh
-from jaxllm.parallel.rules import constrain
+from jaxllm.parallel.rules import activation_rules, constrain, rules_for
+from jaxllm.parallel.tensor_parallel import RESIDUAL
 from jaxllm.train.run import build_run
 from jaxllm.train.step import init_params
 
@@ -28,7 +29,7 @@ def _count(hlo: str, op: str, *, backward: bool | None = None) -> int:
     return total
 
 
-def _compiled_group(cfg, grad: bool) -> str:
+def _compiled_group(cfg, grad: bool, loss=jnp.sum) -> str:
     mesh = make_mesh(cfg.parallel)
     groups_sharding = build_run(cfg, mesh).shardings["params"]["groups"]
     group_sharding = jax.tree.map(
@@ -41,11 +42,11 @@ def _compiled_group(cfg, grad: bool) -> str:
     x = jnp.ones((8, cfg.train.seq_len, cfg.model.hidden))
 
     def run(group, x):
-        x = constrain(x, "batch", "seq", "act_embed")
+        x = constrain(x, *RESIDUAL)
         ctx = make_context(tokens, None, None, sizes(cfg.model).head_dim, cfg.model.rope_theta)
-        return nnx.merge(graph, group)(x, ctx).sum()
+        return loss(nnx.merge(graph, group)(x, ctx))
 
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), activation_rules(rules_for(cfg.parallel)):
         fn = jax.grad(run, argnums=(0, 1)) if grad else run
         return jax.jit(fn, in_shardings=(group_sharding, None)).lower(group, x).compile().as_text()
 
@@ -70,3 +71,21 @@ def _tp_config():
     cfg = small_config(qkv_share_every=2, num_kv_heads=8)
     cfg.parallel.update(tensor=8, data=1)
     return cfg
+
+
+def test_sequence_parallel_blocks_reduce_scatter_and_all_gather_and_never_all_reduce_activations():
+    """With sequence parallelism each block's input is all-gathered along the sequence and its
+    output reduce-scattered back, in the forward pass and mirrored in the backward pass; no
+    activation is all-reduced. (Squared outputs, so that no gradient is a constant XLA could fold.)"""
+    cfg = _tp_config()
+    cfg.parallel.sequence_parallel = True
+    blocks = 2 * cfg.model.qkv_share_every
+    squares = lambda out: jnp.sum(out * out)  # noqa: E731
+    forward, both = _compiled_group(cfg, grad=False, loss=squares), _compiled_group(cfg, grad=True, loss=squares)
+    assert _count(forward, "all-gather") == blocks and _count(forward, "reduce-scatter") == blocks
+    assert _count(both, "all-gather") == 2 * blocks and _count(both, "reduce-scatter") == 2 * blocks
+    seq, hidden = cfg.train.seq_len, cfg.model.hidden
+    activations = (f"[8,{seq // cfg.parallel.tensor},{hidden}]", f"[8,{seq},{hidden}]")
+    for hlo in (forward, both):
+        reduced = [line for line in hlo.splitlines() if re.search(r" all-reduce(-start)?\(", line)]
+        assert not [line for line in reduced if any(shape in line for shape in activations)], reduced

@@ -11,6 +11,7 @@ from conftest import small_config
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.parallel.mesh import make_mesh
+from jaxllm.parallel.rules import activation_rules, rules_for
 from jaxllm.train.run import batch_sharding, build_run
 from jaxllm.train.step import compile_train_step, init_params, init_state, mean_loss
 
@@ -21,6 +22,8 @@ LAYOUTS = {
     "data2xtensor4": dict(data=2, tensor=4),
     "data2xfsdp2xtensor2": dict(data=2, fsdp=2, tensor=2),
     "fsdp4xtensor2": dict(fsdp=4, tensor=2),
+    "data4xtensor2 sequence parallel": dict(data=4, tensor=2, sequence_parallel=True),
+    "data2xfsdp2xtensor2 sequence parallel": dict(data=2, fsdp=2, tensor=2, sequence_parallel=True),
 }
 
 
@@ -39,7 +42,8 @@ def run_layout(layout: dict, steps: int = 3):
         state = init_state(build_run(cfg, mesh))
         init = jax.device_get(state["params"])
         batch = jax.device_put(_batch(cfg), batch_sharding(mesh))
-        loss, grads = jax.jit(jax.value_and_grad(lambda p, b: mean_loss(p, b, cfg.model)))(state["params"], batch)
+        with activation_rules(rules_for(cfg.parallel)):  # as the train step does
+            loss, grads = jax.jit(jax.value_and_grad(lambda p, b: mean_loss(p, b, cfg.model)))(state["params"], batch)
         step = compile_train_step(build_run(cfg, mesh))
         losses = []
         for _ in range(steps):  # the same batch each step, so the loss must fall

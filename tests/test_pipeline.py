@@ -20,6 +20,7 @@ from jaxllm import plan
 from jaxllm.config import load_config, sizes
 from jaxllm.model import param_specs
 from jaxllm.parallel.mesh import make_mesh
+from jaxllm.parallel.rules import activation_rules, rules_for
 from jaxllm.parallel.schedule import canonical_view, schedule_of
 from jaxllm.train.run import batch_sharding, build_run
 from jaxllm.train.step import compile_eval_step, compile_train_step, init_state, mean_loss
@@ -42,6 +43,7 @@ CASES = {
         2, 2, 1, dict(tensor=2, data=2), dict(mlp_activation="gelu", qkv_share_every=4),
     ),
     "S2 M2 R1 data4 share 1": (2, 2, 1, dict(data=4), dict(num_layers=8, qkv_share_every=1)),
+    "S2 M4 R2 tensor2 data2 sequence parallel": (2, 4, 2, dict(tensor=2, data=2, sequence_parallel=True), {}),
 }  # fmt: skip
 
 
@@ -61,7 +63,7 @@ def test_pipeline_matches_sequential_loop(case):
     cfg = _config(*case[:4], **case[4])
     mesh = make_mesh(cfg.parallel)
     batch = _batch(cfg)
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), activation_rules(rules_for(cfg.parallel)):  # as the train step does
         state = init_state(build_run(cfg, mesh))
         loss_fn = jax.jit(jax.value_and_grad(lambda p, b: mean_loss(p, b, cfg.model, schedule_of(cfg))))
         loss, grads = loss_fn(state["params"], jax.device_put(batch, batch_sharding(mesh)))
@@ -215,6 +217,7 @@ def test_bf16_pipeline_gradients_match_unpipelined_and_add_up_in_fp32():
 BF16_LAYOUTS = {
     "data2 tensor4": dict(data=2, tensor=4),
     "S2 M2 fsdp2 tensor2": dict(stage=2, microbatches=2, fsdp=2, tensor=2, data=1),
+    "S2 M2 tensor2 data2 sequence parallel": dict(stage=2, microbatches=2, tensor=2, data=2, sequence_parallel=True),
 }
 
 

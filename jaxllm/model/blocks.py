@@ -21,7 +21,7 @@ from jaxllm.config import sizes
 from jaxllm.model import layers
 from jaxllm.model.params import declare, params_of, value_axes
 from jaxllm.parallel.rules import constrain
-from jaxllm.parallel.tensor_parallel import tensor_parallel
+from jaxllm.parallel.tensor_parallel import RESIDUAL, tensor_parallel
 
 Stack = tuple[tuple[int, ...], tuple[str, ...]]  # leading (sizes, logical axis names)
 UNSTACKED: Stack = ((), ())
@@ -58,7 +58,7 @@ class Attention(nnx.Module):
         self.v = declare((*lead, h, kv, hd), (*lead_axes, "embed", "kv_heads", "head_dim"), dt, std=std)
 
     def __call__(self, x: jax.Array, o_proj: nnx.Param, ctx: layers.Context) -> jax.Array:
-        attend = tensor_parallel(layers.attention, (), value_axes(self), value_axes(o_proj), (), ())
+        attend = tensor_parallel(layers.attention, value_axes(self), value_axes(o_proj), (), ())
         return attend(x, params_of(self), o_proj.get_value(), ctx.rope, ctx.mask)
 
 
@@ -74,7 +74,7 @@ class FeedForward(nnx.Module):
             self.gate = declare((*lead, h, m), (*lead_axes, "embed", "mlp"), dt, std=model.init_std)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        run = tensor_parallel(partial(layers.feed_forward, activation=self.activation), (), value_axes(self))
+        run = tensor_parallel(partial(layers.feed_forward, activation=self.activation), value_axes(self))
         return run(x, params_of(self))
 
 
@@ -97,4 +97,4 @@ class DecoderLayer(nnx.Module):
         x = checkpoint_name(x, "layer_input")
         x = x + qkv(self.attn_norm(x), self.o_proj, ctx)
         x = x + checkpoint_name(self.mlp(self.mlp_norm(x)), "mlp_out")
-        return constrain(x, "batch", "seq", "act_embed")
+        return constrain(x, *RESIDUAL)

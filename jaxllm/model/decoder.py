@@ -29,6 +29,7 @@ from jaxllm.model.params import Params, declare, init_params, params_of, specs_o
 from jaxllm.parallel.pipeline import gather_stage_weights, pipeline_stack
 from jaxllm.parallel.rules import AXIS_RULES, constrain
 from jaxllm.parallel.schedule import Schedule
+from jaxllm.parallel.tensor_parallel import RESIDUAL
 
 # Activations that the 'selective' policy keeps (and 'offload' moves to host) instead of recomputing.
 SAVED_NAMES = ("layer_input", "qkv_proj", "attn_out", "mlp_in", "mlp_out")
@@ -142,7 +143,7 @@ class Decoder(nnx.Module):
         # of the fp32 table: the lookup's gradient adds every occurrence of a token into its row,
         # which in bf16 would stop growing after a few hundred occurrences.
         table = constrain(self.embed.get_value(), "vocab", None)
-        x = constrain(jnp.take(table, tokens, axis=0).astype(dt), "batch", "seq", "act_embed")
+        x = constrain(jnp.take(table, tokens, axis=0).astype(dt), *RESIDUAL)
         x = self._stack(x, ctx, copies)
         x = self.final_norm(x)
         head = self.embed.get_value().T if model.tie_embeddings else self.lm_head.get_value()

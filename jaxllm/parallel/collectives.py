@@ -29,6 +29,13 @@ def reduce_scatter_sum(x: jax.Array, axis: str, dim: int) -> jax.Array:
     return jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
 
 
+def all_gather(x: jax.Array, axis: str, dim: int) -> jax.Array:
+    """Tiled `all_gather` over a manual mesh axis along `dim` (its gradient is a `reduce_scatter_sum`)."""
+    if _reduce_in_fp32(x):
+        return jax.lax.all_gather(x.astype(jnp.float32), axis, axis=dim, tiled=True).astype(x.dtype)
+    return jax.lax.all_gather(x, axis, axis=dim, tiled=True)
+
+
 def to_varying(x: jax.Array, axis: str) -> jax.Array:
     """Marks a replicated value as per-device along `axis`; the backward pass all-reduces its
     cotangent once here, instead of once per use."""

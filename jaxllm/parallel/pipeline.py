@@ -25,8 +25,9 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.config import MESH_AXES
 from jaxllm.model.params import is_norm
 from jaxllm.parallel.collectives import reduce_scatter_sum, to_varying
-from jaxllm.parallel.rules import RULES, as_tuple, constrain, manual_spec
+from jaxllm.parallel.rules import RULES, active_rules, as_tuple, constrain, manual_spec
 from jaxllm.parallel.schedule import Schedule, split_microbatches
+from jaxllm.parallel.tensor_parallel import RESIDUAL
 
 MANUAL_AXES = frozenset(MESH_AXES)
 BATCH_AXES = as_tuple(RULES["batch"])  # the data-parallel mesh axes
@@ -81,11 +82,14 @@ def _grad_sink_fwd(shard, copy, spec):
 
 
 def _grad_sink_bwd(spec, _, grad):
-    """One fp32 reduce-scatter over the axes that split the parameter, one sum over the others."""
+    """One fp32 reduce-scatter over the data-parallel axes that split the parameter, one sum over
+    the other axes the gradient varies over but the parameter does not (the other data-parallel
+    axes; `tensor` for a replicated weight applied to a sequence split over it)."""
     split = {axis: dim for dim, axes in enumerate(spec) for axis in as_tuple(axes) if axis in BATCH_AXES}
     for axis, dim in split.items():
         grad = reduce_scatter_sum(grad, axis, dim)
-    if rest := tuple(a for a in BATCH_AXES if a not in split):
+    held = {axis for axes in spec for axis in as_tuple(axes)} | {"stage"}
+    if rest := tuple(sorted(_varying(grad) - held)):
         grad = jax.lax.psum(grad, rest)
     return grad, None
 
@@ -129,7 +133,8 @@ def pipeline_stack(groups, specs, x: jax.Array, ctx, schedule: Schedule, stack_f
     spec_of = partial(manual_spec, manual_axes=MANUAL_AXES)
     shard_specs = jax.tree.map(lambda a: spec_of(*a), axes, is_leaf=_is_axes)
     copy_specs = jax.tree.map(lambda a: spec_of(*a, rules=_GATHERED), axes, is_leaf=_is_axes)
-    batch = spec_of("batch")[0]
+    micro_spec = spec_of(None, *RESIDUAL, rules=active_rules())  # [M, mb, seq, embed]; seq on `tensor` with SP
+    out_spec = P(None, micro_spec[1], (*as_tuple(micro_spec[2]), "stage"))
     micro = split_microbatches(x, m)
     ctx_micro = jax.tree.map(partial(split_microbatches, m=m), ctx)
     to_next_stage = [(j, (j + 1) % s) for j in range(s)]
@@ -169,8 +174,8 @@ def pipeline_stack(groups, specs, x: jax.Array, ctx, schedule: Schedule, stack_f
 
     run = jax.shard_map(
         one_stage,
-        in_specs=(shard_specs, copy_specs, P(None, batch), P(None, batch)),
-        out_specs=P(None, batch, "stage"),
+        in_specs=(shard_specs, copy_specs, micro_spec, P(None, micro_spec[1])),
+        out_specs=out_spec,
         axis_names=MANUAL_AXES,
     )
     return _merge(run(_stage_major_arrays(groups), copies, micro, ctx_micro))

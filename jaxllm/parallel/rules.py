@@ -6,7 +6,9 @@ Changing a layout means changing this table or the mesh sizes, never the model.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping, Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -17,6 +19,7 @@ RULES: dict[str, MeshAxes] = {
     # activations
     "batch": ("data", "fsdp"),
     "seq": None,
+    "act_seq": None,  # the residual stream's sequence between blocks: "tensor" with sequence parallelism
     "act_embed": None,  # the residual stream stays whole on each device
     # parameters (and activations that carry these dims)
     "embed": "fsdp",  # ZeRO-3: parameters sharded on their model dim
@@ -34,6 +37,37 @@ RULES: dict[str, MeshAxes] = {
 
 # The same table as (logical, mesh axes) pairs, for Flax: `with nnx.logical_axis_rules(AXIS_RULES): ...`.
 AXIS_RULES: tuple[tuple[str, MeshAxes], ...] = tuple(RULES.items())
+
+# Megatron's sequence parallelism: between tensor-parallel blocks, the residual stream (and the
+# norms on it) is split over `tensor` along the sequence.
+SEQUENCE_PARALLEL_RULES: dict[str, MeshAxes] = {**RULES, "act_seq": "tensor"}
+
+_ACTIVE: contextvars.ContextVar[Mapping[str, MeshAxes]] = contextvars.ContextVar("axis_rules", default=RULES)
+
+
+def rules_for(parallel) -> Mapping[str, MeshAxes]:
+    """The activation rules of a run's `parallel` settings."""
+    return SEQUENCE_PARALLEL_RULES if parallel.sequence_parallel else RULES
+
+
+@contextlib.contextmanager
+def activation_rules(rules: Mapping[str, MeshAxes]) -> Iterator[None]:
+    """Activations traced inside follow `rules` (see `constrain`); a step enters it as it traces."""
+    token = _ACTIVE.set(rules)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_rules() -> Mapping[str, MeshAxes]:
+    return _ACTIVE.get()
+
+
+def sequence_parallel() -> bool:
+    """Whether the residual stream being traced is split over `tensor` along the sequence."""
+    return "tensor" in as_tuple(active_rules()["act_seq"])
+
 
 # ZeRO-1: optimizer state is also split over the data-parallel replicas.
 OPTIMIZER_RULES: dict[str, MeshAxes] = {**RULES, "embed": ("fsdp", "data")}
@@ -69,13 +103,14 @@ def logical_spec(
     return PartitionSpec(*out)
 
 
-def constrain(x: jax.Array, *names: str | None, rules: Mapping[str, MeshAxes] = RULES) -> jax.Array:
-    """Pins an array's sharding by logical names; without a mesh in context (a notebook, one
-    device), or inside a region manual over every mesh axis (the pipeline), there is nothing to pin."""
+def constrain(x: jax.Array, *names: str | None, rules: Mapping[str, MeshAxes] | None = None) -> jax.Array:
+    """Pins an array's sharding by logical names (under the active rules unless `rules` is given);
+    without a mesh in context (a notebook, one device), or inside a region manual over every mesh
+    axis (the pipeline), there is nothing to pin."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or set(mesh.manual_axes) == set(mesh.axis_names):
         return x
-    return jax.lax.with_sharding_constraint(x, logical_spec(names, rules))
+    return jax.lax.with_sharding_constraint(x, logical_spec(names, rules or active_rules()))
 
 
 def tree_shardings(specs, mesh: Mesh, rules: Mapping[str, MeshAxes] = RULES, *, fit: bool = False):

@@ -9,24 +9,33 @@ from typing import Any
 
 import jax
 
-from jaxllm.parallel.collectives import all_reduce_sum, to_varying
-from jaxllm.parallel.rules import manual_spec
+from jaxllm.parallel.collectives import all_gather, all_reduce_sum, reduce_scatter_sum, to_varying
+from jaxllm.parallel.rules import active_rules, manual_spec, sequence_parallel
 
 
 def _is_axes(x: Any) -> bool:
     return isinstance(x, tuple)
 
 
-def tensor_parallel(fn: Callable, *arg_axes: Any) -> Callable:
-    """`fn(x, *args)` on this device's `tensor` shard, its partial outputs all-reduced.
+RESIDUAL = ("batch", "act_seq", "act_embed")  # logical axes of a block's input and output
 
-    `arg_axes` gives, per argument, the logical axis names of each array (a pytree of tuples; `()`
-    for a replicated argument). Built per trace, as shard_map binds the mesh in context at its
-    first call. Inside a region already manual over `tensor` (the pipeline) it needs no shard_map;
-    without a mesh or without tensor parallelism `fn` runs as is.
+
+def tensor_parallel(fn: Callable, *arg_axes: Any) -> Callable:
+    """`fn(x, *args)` on this device's `tensor` shard, its partial outputs all-reduced; with
+    sequence parallelism, `x` comes split along the sequence and is all-gathered first, and the
+    outputs are reduce-scattered back along it (the same bytes as one all-reduce).
+
+    `x` is the residual stream ([batch, seq, embed]); `arg_axes` gives, per further argument, the
+    logical axis names of each array (a pytree of tuples; `()` for a replicated argument). Built
+    per trace, as shard_map binds the mesh in context at its first call. Inside a region already
+    manual over `tensor` (the pipeline) it needs no shard_map; without a mesh or without tensor
+    parallelism `fn` runs as is.
     """
+    split = sequence_parallel()
 
     def summed(x, *args):
+        if split:
+            return reduce_scatter_sum(fn(all_gather(x, "tensor", 1), *args), "tensor", 1)
         return all_reduce_sum(fn(to_varying(x, "tensor"), *args), "tensor")
 
     mesh = jax.sharding.get_abstract_mesh()
@@ -34,5 +43,6 @@ def tensor_parallel(fn: Callable, *arg_axes: Any) -> Callable:
         return summed
     if mesh.shape.get("tensor", 1) == 1:
         return fn
-    in_specs = tuple(jax.tree.map(lambda axes: manual_spec(*axes), a, is_leaf=_is_axes) for a in arg_axes)
-    return jax.shard_map(summed, in_specs=in_specs, out_specs=jax.sharding.PartitionSpec(), axis_names={"tensor"})
+    residual = manual_spec(*RESIDUAL, rules=active_rules())
+    in_specs = (residual, *(jax.tree.map(lambda axes: manual_spec(*axes), a, is_leaf=_is_axes) for a in arg_axes))
+    return jax.shard_map(summed, in_specs=in_specs, out_specs=residual, axis_names={"tensor"})

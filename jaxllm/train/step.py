@@ -12,6 +12,7 @@ from flax import nnx
 
 from jaxllm.model.decoder import Decoder, forward, stage_copies
 from jaxllm.model.params import params_of
+from jaxllm.parallel.rules import activation_rules, rules_for
 from jaxllm.parallel.schedule import Schedule, schedule_of, split_microbatches
 from jaxllm.train.optim import learning_rate
 from jaxllm.train.run import Run, State
@@ -60,6 +61,11 @@ def init_state(run: Run) -> State:
 def train_step(state: State, batch: Batch, run: Run) -> tuple[State, dict]:
     """One optimizer step over `grad_accum_steps` sequential microbatches. The loss is the mean over
     all unmasked tokens of the whole batch, whatever the accumulation."""
+    with activation_rules(rules_for(run.cfg.parallel)):
+        return _train_step(state, batch, run)
+
+
+def _train_step(state: State, batch: Batch, run: Run) -> tuple[State, dict]:
     cfg = run.cfg
     model, accum = cfg.model, cfg.train.grad_accum_steps
     grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
@@ -103,12 +109,14 @@ def train_step(state: State, batch: Batch, run: Run) -> tuple[State, dict]:
     return new_state, metrics
 
 
-def compile_eval_step(run: Run):
+def eval_step(params: dict, batch: Batch, run: Run) -> tuple[jax.Array, jax.Array]:
     """(loss sum, token count) of a batch under the current params."""
-    return jax.jit(
-        partial(loss_sums, model=run.cfg.model, schedule=run.schedule),
-        in_shardings=(run.shardings["params"], run.batch_sharding),
-    )
+    with activation_rules(rules_for(run.cfg.parallel)):
+        return loss_sums(params, batch, run.cfg.model, run.schedule)
+
+
+def compile_eval_step(run: Run):
+    return jax.jit(partial(eval_step, run=run), in_shardings=(run.shardings["params"], run.batch_sharding))
 
 
 def compile_train_step(run: Run):
