@@ -94,6 +94,13 @@ def base_config() -> ml_collections.ConfigDict:
     return cfg
 
 
+def with_defaults(saved: dict) -> ml_collections.ConfigDict:
+    """A config as a checkpoint or export stored it, with defaults for fields added since."""
+    cfg = base_config()
+    cfg.update(saved)
+    return cfg
+
+
 def load_config(path: str | pathlib.Path) -> ml_collections.ConfigDict:
     """`get_config()` of a config file, e.g. `configs/tiny.py` (paths relative to the repo root work too)."""
     path = pathlib.Path(path)

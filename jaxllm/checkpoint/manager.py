@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 
 import jaxllm
 from jaxllm.checkpoint.layout import check_same_shape, from_canonical, to_canonical
+from jaxllm.config import with_defaults
 from jaxllm.errors import JaxllmError
 from jaxllm.parallel.schedule import schedule_of
 
@@ -48,7 +49,7 @@ def saved_config(workdir: str | pathlib.Path, step: int | None = None) -> ml_col
         raise CheckpointError(f"{workdir} has no checkpoints; pass the --workdir of a training run")
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     manager.close()
-    return ml_collections.ConfigDict(meta["config"])
+    return with_defaults(meta["config"])
 
 
 @dataclasses.dataclass

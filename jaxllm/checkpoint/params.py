@@ -19,6 +19,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from jaxllm.checkpoint.manager import UNREADABLE, CheckpointError, saved_config
+from jaxllm.config import with_defaults
 from jaxllm.model.decoder import param_specs
 from jaxllm.model.params import is_spec
 from jaxllm.parallel.mesh import make_mesh
@@ -43,7 +44,7 @@ def load_params(
     path = pathlib.Path(path).absolute()
     mesh = mesh or make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=1, stage=1, tensor=1)), jax.devices()[:1])
     if (path / "config.json").exists():
-        cfg = ml_collections.ConfigDict(json.loads((path / "config.json").read_text()))
+        cfg = with_defaults(json.loads((path / "config.json").read_text()))
         target = _target(cfg.model, mesh, dtype or cfg.model.param_dtype)
         return cfg, ocp.StandardCheckpointer().restore(path / "params", target), cfg.get("export_step", -1)
     directory = path / "checkpoints"

@@ -1,7 +1,9 @@
 """The one table that maps logical axis names to mesh axes.
 
 Model code names its dimensions (`embed`, `heads`, `batch`, ...); only this table knows the mesh.
-Changing a layout means changing this table or the mesh sizes, never the model.
+Changing a layout means changing this table or the mesh sizes, never the model. A run whose
+activations follow another table (sequence parallelism) enters it with `activation_rules` while its
+step traces.
 """
 
 from __future__ import annotations
