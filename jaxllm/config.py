@@ -14,6 +14,7 @@ from jaxllm.errors import JaxllmError
 
 NORMS = ("rmsnorm", "layernorm")
 MLP_ACTIVATIONS = ("swiglu", "geglu", "gelu")
+ATTENTION = ("xla", "cudnn", "pallas")
 REMAT_POLICIES = ("none", "full", "group", "selective", "dots", "offload")
 MESH_AXES = ("data", "fsdp", "stage", "tensor")
 
@@ -43,6 +44,7 @@ def base_config() -> ml_collections.ConfigDict:
         dtype="bfloat16",
         param_dtype="float32",
         remat="none",
+        attention="xla",  # or 'cudnn' / 'pallas' (fused, GPU only)
         init_std=0.02,
         norm_eps=1e-5,
     )
@@ -190,14 +192,50 @@ def _validate_pipeline(m: ml_collections.ConfigDict, p: ml_collections.ConfigDic
         )
 
 
-def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[int, ...]:
-    """Checks the whole config before any work; returns the resolved mesh shape."""
+def _validate_attention(cfg: ml_collections.ConfigDict, backend: str | None) -> None:
+    m, impl = cfg.model, cfg.model.attention
+    _require(impl in ATTENTION, f"model.attention={impl!r} is unknown; use one of {ATTENTION}")
+    if impl == "xla":
+        return
+    fix = "or set model.attention='xla'"
+    _require(
+        backend in (None, "gpu"),
+        f"model.attention={impl!r} is a GPU kernel and this machine's JAX backend is {backend!r}; "
+        "set model.attention='xla' here",
+    )
+    head_dim = sizes(m).head_dim
+    if impl == "cudnn":
+        _require(
+            m.dtype in ("bfloat16", "float16"),
+            f"model.attention='cudnn' has no {m.dtype} kernel; set model.dtype='bfloat16' {fix}",
+        )
+        _require(
+            head_dim <= 128 and head_dim % 8 == 0,
+            f"model.attention='cudnn' needs a head dim that is a multiple of 8 and at most 128, got {head_dim}; {fix}",
+        )
+    else:
+        _require(
+            sizes(m).kv_heads == m.num_heads,
+            f"model.attention='pallas' has no grouped-query attention (model.num_kv_heads={m.num_kv_heads} < "
+            f"model.num_heads={m.num_heads}); use model.attention='cudnn' {fix}",
+        )
+        _require(
+            cfg.train.seq_len % 128 == 0,
+            f"model.attention='pallas' works in blocks of 128 positions and train.seq_len={cfg.train.seq_len} "
+            f"is not a multiple of 128; use a multiple of 128 {fix}",
+        )
+
+
+def validate(cfg: ml_collections.ConfigDict, num_devices: int, backend: str | None = None) -> tuple[int, ...]:
+    """Checks the whole config before any work; returns the resolved mesh shape. With `backend`
+    (JAX's, e.g. 'gpu'), also whether it can run the chosen kernels."""
     m, p, t, c = cfg.model, cfg.parallel, cfg.train, cfg.checkpoint
     _require(m.norm in NORMS, f"model.norm={m.norm!r} is unknown; use one of {NORMS}")
     _require(
         m.mlp_activation in MLP_ACTIVATIONS,
         f"model.mlp_activation={m.mlp_activation!r} is unknown; use one of {MLP_ACTIVATIONS}",
     )
+    _validate_attention(cfg, backend)
     _require(m.remat in REMAT_POLICIES, f"model.remat={m.remat!r} is unknown; use one of {REMAT_POLICIES}")
     _require(
         m.qkv_share_every >= 1 and m.num_layers % m.qkv_share_every == 0,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, in one short run: train-step MFU per remat policy and the compiler's
-# memory estimate against the measured peak (scripts/bench_gpu.py). Packages the GPU image lacks come
+# The checks that need a GPU, in one short run: the fused attention kernels against XLA attention
+# (scripts/bench_attention.py), train-step MFU per remat policy and the compiler's memory estimate
+# against the measured peak (scripts/bench_gpu.py). Packages the GPU image lacks come
 # as wheels in .whl/ (see README, "Benchmarks"); results go to $OUT when set, else to stdout only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,4 +12,6 @@ fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+python3 scripts/bench_attention.py 2>&1 | tee "${OUT:-/tmp}/bench_attention.txt"
+python3 scripts/bench_attention.py --kv-heads 4 2>&1 | tee -a "${OUT:-/tmp}/bench_attention.txt"
 python3 scripts/bench_gpu.py "$@" 2>&1 | tee "${OUT:-/tmp}/bench_gpu.txt"

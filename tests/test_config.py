@@ -75,6 +75,20 @@ CASES = {
     "gqa ratio": ({"model.num_kv_heads": 3}, ["model.num_heads=8", "model.num_kv_heads=3"]),
     "checkpoints kept": ({"checkpoint.keep": 0}, ["checkpoint.keep=0 must be at least 1"]),
     "checkpoint cadence": ({"checkpoint.every_steps": -5}, ["checkpoint.every_steps=-5 must be at least 0"]),
+    "attention": ({"model.attention": "flash"}, ["model.attention='flash' is unknown", "'cudnn'"]),
+    "cudnn in fp32": ({"model.attention": "cudnn"}, ["model.attention='cudnn' has no float32 kernel", "bfloat16"]),
+    "cudnn head dim": (
+        {"model.attention": "cudnn", "model.dtype": "bfloat16", "model.head_dim": 160},
+        ["multiple of 8 and at most 128, got 160", "model.attention='xla'"],
+    ),
+    "pallas without GQA": (
+        {"model.attention": "pallas"},
+        ["'pallas' has no grouped-query attention", "model.num_kv_heads=4", "'cudnn'"],
+    ),
+    "pallas blocks": (
+        {"model.attention": "pallas", "model.num_kv_heads": 8},
+        ["train.seq_len=16 is not a multiple of 128", "model.attention='xla'"],
+    ),
     "trained BPE vs vocab": (
         {"data.bpe_vocab_size": 1024},
         ["data.bpe_vocab_size=1024 exceeds model.vocab_size=257", "set model.vocab_size=1024"],

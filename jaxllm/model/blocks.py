@@ -53,13 +53,15 @@ class Attention(nnx.Module):
     def __init__(self, model: ml_collections.ConfigDict, stack: Stack = UNSTACKED):
         (lead, lead_axes), h, s, dt, std = stack, model.hidden, sizes(model), model.param_dtype, model.init_std
         hd, kv = s.head_dim, s.kv_heads
+        self.implementation = model.attention
         self.q = declare((*lead, h, model.num_heads, hd), (*lead_axes, "embed", "heads", "head_dim"), dt, std=std)
         self.k = declare((*lead, h, kv, hd), (*lead_axes, "embed", "kv_heads", "head_dim"), dt, std=std)
         self.v = declare((*lead, h, kv, hd), (*lead_axes, "embed", "kv_heads", "head_dim"), dt, std=std)
 
     def __call__(self, x: jax.Array, o_proj: nnx.Param, ctx: layers.Context) -> jax.Array:
-        attend = tensor_parallel(layers.attention, value_axes(self), value_axes(o_proj), (), ())
-        return attend(x, params_of(self), o_proj.get_value(), ctx.rope, ctx.mask)
+        attention = partial(layers.attention, implementation=self.implementation)
+        attend = tensor_parallel(attention, value_axes(self), value_axes(o_proj), (), ())
+        return attend(x, params_of(self), o_proj.get_value(), ctx.rope, ctx.segment_ids)
 
 
 class FeedForward(nnx.Module):

@@ -34,6 +34,8 @@ def generate(
     """Continues `prompt` up to `length` tokens in total (prompt included)."""
     if not 0 < len(prompt) < length:
         raise ValueError(f"prompt of {len(prompt)} tokens must be non-empty and shorter than length={length}")
+    model = model.copy_and_resolve_references()
+    model.attention = "xla"  # any length on any backend; the fused kernels want block-sized ones
 
     @jax.jit
     def run(params, buffer):

@@ -1,17 +1,23 @@
 """Building blocks as pure functions over parameter dicts: norms, RoPE, attention, feed-forward.
 
-`attend` takes keys, values and a mask built from explicit query/key indices and segment ids,
-apart from the projections, so cached keys can be fed to it; packed documents never attend to
-each other.
+A sequence attends to itself causally and never across documents (segment ids) in all three
+implementations of `self_attention`: `xla` (`attend`: einsums and an fp32 softmax under an explicit
+mask, so keys may come from a cache; runs everywhere), `cudnn` (cuDNN's fused flash attention
+through `jax.nn.dot_product_attention`) and `pallas` (JAX's Triton flash-attention kernel). The
+fused two run on GPUs; config validation says which shapes each takes.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental.pallas.ops.gpu.attention import mha
+
+from jaxllm.parallel.rules import manual_spec
 
 NEG_INF = -1e30  # finite, so fully masked rows give a uniform softmax instead of NaN
 
@@ -20,19 +26,16 @@ class Context(NamedTuple):
     """Per-sequence inputs every layer needs, computed once per forward pass."""
 
     rope: tuple[jax.Array, jax.Array]
-    mask: jax.Array
+    segment_ids: jax.Array | None  # [batch, seq]; None: each row is one document
 
 
 def make_context(
     tokens: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None, head_dim: int, rope_theta: float
 ) -> Context:
-    """RoPE tables and the causal, document-isolating mask; positions default to 0..seq-1 and all
-    tokens to one document."""
+    """RoPE tables (positions default to 0..seq-1) and the documents' segment ids."""
     b, t = tokens.shape
-    index = jnp.broadcast_to(jnp.arange(t), (b, t))
-    positions = index if positions is None else positions
-    segment_ids = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids
-    return Context(rope_tables(positions, head_dim, rope_theta), attention_mask(index, index, segment_ids, segment_ids))
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t)) if positions is None else positions
+    return Context(rope_tables(positions, head_dim, rope_theta), segment_ids)
 
 
 def norm(x: jax.Array, p: dict, kind: str, eps: float) -> jax.Array:
@@ -67,8 +70,16 @@ def attention_mask(q_index: jax.Array, k_index: jax.Array, q_segment: jax.Array,
     return (causal & same_doc)[:, None]
 
 
+def document_mask(segment_ids: jax.Array | None, length: int) -> jax.Array:
+    """The mask of a sequence attending to itself: causal, within documents (one per row if None)."""
+    index = jnp.arange(length)[None]
+    segments = jnp.ones_like(index) if segment_ids is None else segment_ids
+    return attention_mask(index, index, segments, segments)
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention. q: [b, t, heads, d]; k, v: [b, s, kv_heads, d]. Softmax in fp32."""
+    """Grouped-query attention as einsums under an explicit mask, so keys may come from a cache.
+    q: [b, t, heads, d]; k, v: [b, s, kv_heads, d]; mask: [b, 1, t, s]. Softmax in fp32."""
     b, t, nh, d = q.shape
     kv = k.shape[2]
     q = q.reshape(b, t, kv, nh // kv, d)
@@ -79,8 +90,53 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
     return out.reshape(b, t, nh, d)
 
 
+def library_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, implementation: str = "cudnn"
+) -> jax.Array:
+    """`jax.nn.dot_product_attention`: causal by its own flag; packed documents through its mask,
+    a [batch, 1, t, t] array built per layer (t² bytes per sequence, 16 MiB at t = 4096)."""
+    mask = None if segment_ids is None else document_mask(segment_ids, q.shape[1])
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
+
+
+def pallas_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, interpret: bool = False
+) -> jax.Array:
+    """JAX's Pallas (Triton) flash attention: segment ids and causality inside the kernel, no
+    mask in memory. No GQA: it needs as many kv heads as query heads."""
+    return mha(q, k, v, segment_ids, sm_scale=q.shape[-1] ** -0.5, causal=True, interpret=interpret)
+
+
+def per_device(kernel):
+    """`kernel(q, k, v, segment_ids)` on each device's own batch rows and heads: a custom kernel
+    cannot be split by the compiler, so it runs under a `shard_map` over the mesh axes not yet
+    manual (none inside the pipeline)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
+    if mesh.empty or not auto:
+        return kernel
+    spec = partial(manual_spec, manual_axes=auto)
+    q, kv = spec("batch", None, "heads", None), spec("batch", None, "kv_heads", None)
+    return jax.shard_map(kernel, in_specs=(q, kv, kv, spec("batch", None)), out_specs=q, axis_names=auto)
+
+
+def self_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, implementation: str = "xla"
+) -> jax.Array:
+    """A sequence attending to itself, causally and within documents, by the named implementation."""
+    if implementation == "xla":
+        return attend(q, k, v, document_mask(segment_ids, q.shape[1]))
+    kernel = pallas_attention if implementation == "pallas" else library_attention
+    return per_device(kernel)(q, k, v, segment_ids)
+
+
 def attention(
-    x: jax.Array, qkv: dict, o_proj: jax.Array, rope: tuple[jax.Array, jax.Array], mask: jax.Array
+    x: jax.Array,
+    qkv: dict,
+    o_proj: jax.Array,
+    rope: tuple[jax.Array, jax.Array],
+    segment_ids: jax.Array | None,
+    implementation: str = "xla",
 ) -> jax.Array:
     """Self-attention on this device's heads; the caller sums partial outputs over `tensor`."""
     dt = x.dtype
@@ -89,7 +145,7 @@ def attention(
     v = jnp.einsum("bte,ehd->bthd", x, qkv["v"].astype(dt))
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     q, k, v = (checkpoint_name(a, "qkv_proj") for a in (q, k, v))
-    ctx = checkpoint_name(attend(q, k, v, mask), "attn_out")
+    ctx = checkpoint_name(self_attention(q, k, v, segment_ids, implementation), "attn_out")
     return jnp.einsum("bthd,hde->bte", ctx, o_proj.astype(dt))
 
 

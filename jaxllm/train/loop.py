@@ -43,7 +43,7 @@ def _data_shard(sharding, batch_size: int) -> tuple[int, int, slice]:
 def train(cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, progress: bool = True) -> dict:
     """Trains `cfg` in `workdir`, resuming from its latest valid checkpoint; returns the last
     logged metrics. Writes `workdir/metrics.jsonl`, TensorBoard events and checkpoints."""
-    validate(cfg, jax.device_count())
+    validate(cfg, jax.device_count(), jax.default_backend())
     run = build_run(cfg, make_mesh(cfg.parallel))
     _announce(run, progress)
     data = prepare_data(cfg)
