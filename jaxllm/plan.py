@@ -1,13 +1,23 @@
-"""Analytic model maths: parameter counts by component and model FLOPs per token.
+"""Analytic model maths: parameter counts by component, model FLOPs per token, and per-device
+memory by component.
 
 `python -m jaxllm.plan --config configs/120b.py` prints them for any config.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
 import ml_collections
 
-from jaxllm.config import sizes
+from jaxllm.config import MESH_AXES, sizes
+from jaxllm.model.decoder import param_specs
+from jaxllm.model.params import is_norm, is_spec
+from jaxllm.parallel.rules import GATHERED_RULES, OPTIMIZER_RULES, RULES, as_tuple, logical_spec
 from jaxllm.parallel.schedule import schedule_of
 
 
@@ -42,6 +52,100 @@ def flops_per_token(model: ml_collections.ConfigDict, seq_len: int) -> float:
     return 6 * applied_matmul_params(model) + attention
 
 
+def _itemsize(dtype, norms_in_fp32: bool = False) -> Callable[[tuple], int]:
+    """A leaf's bytes per element by its path (the pipeline keeps norm scales in fp32)."""
+    size = jnp.dtype(dtype).itemsize
+    return lambda path: 4 if norms_in_fp32 and is_norm(path) else size
+
+
+def _per_device_bytes(specs, rules, mesh: jax.sharding.AbstractMesh, itemsize, *, fit: bool = False) -> int:
+    """Bytes one device holds of `specs` laid out by `rules` (see `logical_spec` for `fit`)."""
+
+    def one(path, spec):
+        pspec = tuple(logical_spec(spec.axes, rules, spec.shape if fit else None, mesh if fit else None))
+        entries = pspec + (None,) * (len(spec.shape) - len(pspec))
+        splits = [math.prod(mesh.shape[a] for a in as_tuple(e)) for e in entries]
+        return math.prod(-(-d // n) for d, n in zip(spec.shape, splits, strict=True)) * itemsize(path)
+
+    return sum(jax.tree.leaves(jax.tree_util.tree_map_with_path(one, specs, is_leaf=is_spec)))
+
+
+def _stash_per_token(model: ml_collections.ConfigDict, seq: int, tensor: int, sp: bool) -> tuple[float, float]:
+    """Bytes per token on one device of one layer's activations: (what its remat policy keeps for
+    the backward pass, all of them)."""
+    s, a = sizes(model), jnp.dtype(model.dtype).itemsize
+    residual = model.hidden * a / (tensor if sp else 1)  # the residual stream between blocks
+    block = model.hidden * a  # a block's gathered input, and its partial output before the sum
+    q, kv = model.num_heads // tensor * s.head_dim * a, s.kv_heads // tensor * s.head_dim * a
+    mlp = model.mlp // tensor * a
+    scores = model.num_heads // tensor * seq * (4 + a) if model.attention == "xla" else 0  # fp32 and probs
+    dots = (q + 2 * kv) + scores + q + block + (s.ffn_matrices - 1) * mlp + block
+    everything = dots + 2 * block + mlp + 2 * residual  # + norm outputs, GLU product, residual sums
+    kept = {
+        "none": everything,
+        "full": residual,
+        "group": residual / model.qkv_share_every,
+        "selective": residual + (q + 2 * kv) + q + mlp + residual,  # decoder.SAVED_NAMES
+        "dots": dots,
+        "offload": 0.0,  # kept in host memory
+    }
+    return kept[model.remat], everything
+
+
+def memory(cfg: ml_collections.ConfigDict) -> dict[str, float]:
+    """Per-device bytes of a training step by component, from the config alone (mesh sizes of -1
+    count as 1). What the planner predicts and `--dry-run` prints beside the compiler's figures."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    mesh_sizes = {a: max(p[a], 1) for a in MESH_AXES}
+    mesh = jax.sharding.AbstractMesh(tuple(mesh_sizes.values()), MESH_AXES)
+    schedule = schedule_of(cfg)
+    specs = param_specs(m, schedule)
+    fp32, param = _itemsize(jnp.float32), _itemsize(m.param_dtype)
+    compute = _itemsize(m.dtype, norms_in_fp32=True)
+    moment_rules = OPTIMIZER_RULES if p.zero1 else RULES
+    out = {
+        "params": _per_device_bytes(specs, RULES, mesh, param),
+        "optimizer state (Adam m, v)": 2 * _per_device_bytes(specs, moment_rules, mesh, fp32, fit=True),
+        "fp32 gradients": _per_device_bytes(specs, RULES, mesh, fp32) * (2 if t.grad_accum_steps > 1 else 1),
+    }
+    groups = specs["groups"]
+    if schedule is None:  # FSDP gathers one group at a time; its gradient is summed before the scatter
+        one_group = jax.tree.map(
+            lambda s: dataclasses.replace(s, shape=s.shape[1:], axes=s.axes[1:]), groups, is_leaf=is_spec
+        )
+        gathered = _per_device_bytes(one_group, GATHERED_RULES, mesh, compute)
+        gathered += _per_device_bytes(one_group, GATHERED_RULES, mesh, fp32)
+    else:  # the stage's weights for the whole step, and their fp32 gradient sums (see pipeline.py)
+        gathered = _per_device_bytes(groups, GATHERED_RULES, mesh, compute)
+        gathered += _per_device_bytes(groups, GATHERED_RULES, mesh, fp32)
+    out["gathered weights + their fp32 gradient"] = gathered
+    data, tensor, stage = mesh_sizes["data"] * mesh_sizes["fsdp"], mesh_sizes["tensor"], mesh_sizes["stage"]
+    rows = t.batch_size // data // t.grad_accum_steps  # sequences per device per microstep
+    stash, whole_layer = _stash_per_token(m, t.seq_len, tensor, p.sequence_parallel)
+    # The backward pass rebuilds a shared-QKV group's layers together (one iteration of the scan
+    # over groups), each with its gradient: the largest transient besides the logits.
+    rebuilt = 2 * m.qkv_share_every * whole_layer
+    residual = m.hidden * jnp.dtype(m.dtype).itemsize / (tensor if p.sequence_parallel else 1)
+    if schedule is None:
+        tokens = rows * t.seq_len
+        out[f"activations (remat {m.remat})"] = m.num_layers * tokens * stash
+    else:  # each iteration's input and output are kept; one iteration's stage is rebuilt at a time
+        tokens = rows // schedule.microbatches * t.seq_len
+        stage_layers = m.num_layers // (stage * schedule.repeats)
+        kept = 2 * schedule.iterations * tokens * residual
+        out[f"activations (remat {m.remat})"] = kept + stage_layers * tokens * stash
+    head_tokens = rows * t.seq_len // (stage if schedule else 1)
+    logits = head_tokens * sizes(m).padded_vocab // tensor * 4 * 2  # fp32 logits and their gradient
+    out["temporaries (a group rebuilt; logits)"] = max(tokens * rebuilt, logits)
+    out["total"] = sum(out.values())
+    return out
+
+
+def memory_table(planned: dict[str, float]) -> list[str]:
+    unit, scale = ("GiB", 2**30) if planned["total"] >= 2**30 else ("MiB", 2**20)
+    return [f"  {name:<42}{n / scale:10.2f} {unit}" for name, n in planned.items()]
+
+
 def summary(cfg: ml_collections.ConfigDict) -> str:
     model, seq = cfg.model, cfg.train.seq_len
     lines = ["parameters:"]
@@ -63,4 +167,10 @@ if __name__ == "__main__":
     from jaxllm.cli import CONFIG
     from jaxllm.errors import exit_on_error
 
-    app.run(exit_on_error(lambda argv: print(summary(CONFIG.value))))
+    def main(argv) -> None:
+        cfg = CONFIG.value
+        print(summary(cfg))
+        print("per-device memory of a train step (mesh sizes of -1 count as 1):")
+        print("\n".join(memory_table(memory(cfg))))
+
+    app.run(exit_on_error(main))

@@ -25,13 +25,12 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.config import MESH_AXES
 from jaxllm.model.params import is_norm
 from jaxllm.parallel.collectives import reduce_scatter_sum, to_varying
-from jaxllm.parallel.rules import RULES, active_rules, as_tuple, constrain, manual_spec
+from jaxllm.parallel.rules import GATHERED_RULES, RULES, active_rules, as_tuple, constrain, manual_spec
 from jaxllm.parallel.schedule import Schedule, split_microbatches
 from jaxllm.parallel.tensor_parallel import RESIDUAL
 
 MANUAL_AXES = frozenset(MESH_AXES)
 BATCH_AXES = as_tuple(RULES["batch"])  # the data-parallel mesh axes
-_GATHERED = {**RULES, "embed": None}  # a stage's weights inside the loop: whole on the FSDP dim
 
 
 def _is_axes(x) -> bool:
@@ -54,7 +53,7 @@ def gather_stage_weights(groups, specs, dtype) -> dict:
     every microstep's pipeline."""
 
     def one(path, a, axes):
-        return constrain(a if is_norm(path) else a.astype(dtype), *axes, rules=_GATHERED)
+        return constrain(a if is_norm(path) else a.astype(dtype), *axes, rules=GATHERED_RULES)
 
     copies = jax.tree_util.tree_map_with_path(one, _stage_major_arrays(groups), _stage_major(specs))
     return jax.lax.stop_gradient(copies)
@@ -132,7 +131,7 @@ def pipeline_stack(groups, specs, x: jax.Array, ctx, schedule: Schedule, stack_f
     axes = _stage_major(specs)
     spec_of = partial(manual_spec, manual_axes=MANUAL_AXES)
     shard_specs = jax.tree.map(lambda a: spec_of(*a), axes, is_leaf=_is_axes)
-    copy_specs = jax.tree.map(lambda a: spec_of(*a, rules=_GATHERED), axes, is_leaf=_is_axes)
+    copy_specs = jax.tree.map(lambda a: spec_of(*a, rules=GATHERED_RULES), axes, is_leaf=_is_axes)
     micro_spec = spec_of(None, *RESIDUAL, rules=active_rules())  # [M, mb, seq, embed]; seq on `tensor` with SP
     out_spec = P(None, micro_spec[1], (*as_tuple(micro_spec[2]), "stage"))
     micro = split_microbatches(x, m)

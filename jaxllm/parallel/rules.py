@@ -71,6 +71,9 @@ def sequence_parallel() -> bool:
     return "tensor" in as_tuple(active_rules()["act_seq"])
 
 
+# A pipeline stage's weights inside its loop: gathered whole on the FSDP dim.
+GATHERED_RULES: dict[str, MeshAxes] = {**RULES, "embed": None}
+
 # ZeRO-1: optimizer state is also split over the data-parallel replicas.
 OPTIMIZER_RULES: dict[str, MeshAxes] = {**RULES, "embed": ("fsdp", "data")}
 

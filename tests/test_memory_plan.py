@@ -1,0 +1,88 @@
+"""The planner's per-device memory (`plan.memory`) against the compiler's memory analysis of the real
+train step, on layouts that compile in seconds; the 120B budget in its own dry run."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, small_config
+
+from jaxllm import plan
+from jaxllm.config import load_config
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.train.dry_run import AS_ON_GPU, BATCH_DTYPES, lower_abstract_step, peak_bytes
+
+LAYOUTS = {
+    "fsdp": dict(data=2, fsdp=4),
+    "tensor, sequence parallel": dict(data=2, fsdp=2, tensor=2, sequence_parallel=True),
+    "pipeline": dict(fsdp=2, stage=2, tensor=2, microbatches=4, sequence_parallel=True),
+}
+
+
+def _config(layout, remat):
+    cfg = small_config(num_layers=8, hidden=128, num_heads=8, num_kv_heads=8, mlp=384, vocab_size=1024, remat=remat)
+    cfg.model.max_seq_len = 128
+    cfg.parallel.update(layout)
+    cfg.train.update(seq_len=128, batch_size=16)
+    return cfg
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_planned_memory_follows_the_compiler(layout):
+    planned, compiled = {}, {}
+    for remat in ("none", "full"):
+        cfg = _config(LAYOUTS[layout], remat)
+        planned[remat] = plan.memory(cfg)
+        lowered = lower_abstract_step(cfg, make_mesh(cfg.parallel))
+        compiled[remat] = lowered.compile(compiler_options=AS_ON_GPU).memory_analysis()
+    # Params and Adam moments to the byte: the arguments are those, the batch and three counters.
+    p = cfg.parallel
+    batch = len(BATCH_DTYPES) * 4 * cfg.train.batch_size * cfg.train.seq_len // (p.data * p.fsdp)
+    state = planned["full"]["params"] + planned["full"]["optimizer state (Adam m, v)"]
+    assert 0 <= compiled["full"].argument_size_in_bytes - batch - state <= 16
+    for remat in planned:
+        assert 0.7 < planned[remat]["total"] / peak_bytes(compiled[remat]) < 1.45, (remat, planned[remat])
+    # What keeping every activation costs over keeping layer inputs only.
+    saved = compiled["none"].temp_size_in_bytes - compiled["full"].temp_size_in_bytes
+    assert 0.75 < (planned["none"]["total"] - planned["full"]["total"]) / saved < 1.25
+
+
+def test_120b_fits_an_80gb_gpu_with_headroom_in_its_dry_run():
+    """The whole 120B step on 64 fake devices: peak ≤ 67 GiB (80 GB less 10 %), and the planner's
+    table beside the compiler's figures, within 10 % of them."""
+    cmd = [sys.executable, "-m", "jaxllm.train", "--config", "configs/120b.py", "--dry-run"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "mesh: data 1 × fsdp 2 × stage 4 × tensor 8 = 64 cpu devices" in out
+    peak = float(re.search(r"peak\s+([\d.]+) GiB", out).group(1))
+    planned = float(re.search(r"  total\s+([\d.]+) GiB", out).group(1))
+    assert peak <= 67, out
+    # fp32 params + Adam moments = 12 bytes each: layers split 64 ways, the embedding and head 16
+    # ways (tensor × fsdp; every stage holds them), plus a negligible batch
+    counts = plan.param_counts(load_config("configs/120b.py").model)
+    head = counts["embedding"] + counts["lm_head"]
+    want = ((counts["total"] - head) * 12 / 64 + head * 12 / 16) / 2**30
+    assert abs(float(re.search(r"arguments\s+([\d.]+) GiB", out).group(1)) - want) < 0.02
+    assert 0.9 < planned / peak < 1.1, out
+    # What the dry run leaves out of XLA:CPU's default compile: an fp32 twin (4 bytes) of each
+    # gathered bf16 weight, which the planner counts with its fp32 gradient sum (2 + 4 bytes).
+    cpu_peak = float(re.search(r"peak as XLA:CPU compiles by default: ([\d.]+) GiB", out).group(1))
+    gathered = float(re.search(r"  gathered weights.*?([\d.]+) GiB", out).group(1))
+    assert 0.9 < (cpu_peak - peak) / (gathered * 4 / 6) < 1.1, out
+    for component in ("params", "optimizer state", "fp32 gradients", "gathered weights", "activations (remat group)"):
+        assert re.search(rf"  {re.escape(component)}.*\d GiB", out), component
+
+
+@pytest.mark.parametrize("path", ["configs/1b.py", "configs/8b.py"])
+def test_single_node_configs_fit_8_gpus_with_headroom(path):
+    """As the dry run compiles them (hoisting off, see dry_run.py): peak ≤ 67 GiB, and the planner
+    within 25 %."""
+    cfg = load_config(path)
+    compiled = lower_abstract_step(cfg, make_mesh(cfg.parallel)).compile(compiler_options=AS_ON_GPU)
+    peak = peak_bytes(compiled.memory_analysis())
+    assert peak <= 67 * 2**30, peak / 2**30
+    assert 0.75 < plan.memory(cfg)["total"] / peak < 1.25
