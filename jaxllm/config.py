@@ -70,6 +70,7 @@ def base_config() -> ml_collections.ConfigDict:
         sample_tokens=64,
         sample_temperature=0.7,  # 0 = greedy
         sample_top_k=40,
+        sample_top_p=1.0,
     )
     cfg.checkpoint = dict(
         every_steps=100,  # 0: not by steps
@@ -272,6 +273,12 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, backend: str | No
         "data.bpe_vocab_size",
     )
     _require(bool(t.sample_prompt), "train.sample_prompt is empty; give the end-of-training sample a prompt")
+    _require(
+        t.sample_temperature >= 0 and t.sample_top_k >= 0 and 0 < t.sample_top_p <= 1,
+        f"train.sample_temperature={t.sample_temperature}, sample_top_k={t.sample_top_k}, "
+        f"sample_top_p={t.sample_top_p}: use a temperature >= 0 (0 = greedy), top_k >= 0 (0 = all) "
+        "and 0 < top_p <= 1",
+    )
     shape = mesh_shape(p, num_devices)
     data, fsdp, stage, tensor = shape
     for field, value in (

@@ -14,7 +14,6 @@ from reference_model import reference_logits, reference_loss
 from jaxllm import plan
 from jaxllm.config import load_config
 from jaxllm.model import Decoder, forward, param_specs, params_of
-from jaxllm.model.generate import sample_token
 from jaxllm.model.params import count
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.train.step import init_params, mean_loss
@@ -105,17 +104,6 @@ def test_120b_parameter_count_without_allocating():
     assert real == plan.param_counts(cfg.model)["total"]
     assert round(real / 1e9, 1) == 119.0  # 117.8B in the layers + 2·V·h embeddings
     assert round(plan.applied_matmul_params(cfg.model) / 1e9, 1) == 145.6  # Megatron's 145.6B GPT
-
-
-def test_sampling_greedy_top_k_and_temperature():
-    logits = jnp.log(jnp.array([0.5, 0.3, 0.15, 0.05]))
-    keys = jax.random.split(jax.random.key(0), 4000)
-    assert sample_token(logits, keys[0], 0.0, 0) == 0
-    draw = jax.vmap(lambda k, t, top: sample_token(logits, k, t, top), in_axes=(0, None, None))
-    assert set(np.asarray(draw(keys, 1.0, 1))) == {0}  # top-1 is greedy at any temperature
-    assert set(np.asarray(draw(keys, 1.0, 2))) == {0, 1}  # never outside the top k
-    freq = np.bincount(np.asarray(draw(keys, 1.0, 0)), minlength=4) / len(keys)
-    np.testing.assert_allclose(freq, [0.5, 0.3, 0.15, 0.05], atol=0.03)  # temperature 1: the model's distribution
 
 
 def test_bf16_compute_sums_a_frequent_tokens_embedding_gradient_in_fp32():

@@ -122,6 +122,9 @@ def test_cli_reports_config_errors_clearly(tmp_path):
     proc = run(train_command(tmp_path / "bad", "--config.parallel.data=3"), check=False)
     assert proc.returncode != 0
     assert "error: parallel.data=3" in proc.stderr and "but 8 exist" in proc.stderr
+    proc = run(train_command(tmp_path / "gpu_only", "--config.model.attention=cudnn"), check=False)
+    assert proc.returncode != 0
+    assert "error: model.attention='cudnn' is a GPU kernel" in proc.stderr and "'cpu'" in proc.stderr
 
 
 def test_non_finite_step_leaves_params_and_optimizer_untouched():

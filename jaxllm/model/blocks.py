@@ -19,6 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.config import sizes
 from jaxllm.model import layers
+from jaxllm.model.cache import LAYER_AXES
 from jaxllm.model.params import declare, params_of, value_axes
 from jaxllm.parallel.rules import constrain
 from jaxllm.parallel.tensor_parallel import RESIDUAL, tensor_parallel
@@ -58,7 +59,16 @@ class Attention(nnx.Module):
         self.k = declare((*lead, h, kv, hd), (*lead_axes, "embed", "kv_heads", "head_dim"), dt, std=std)
         self.v = declare((*lead, h, kv, hd), (*lead_axes, "embed", "kv_heads", "head_dim"), dt, std=std)
 
-    def __call__(self, x: jax.Array, o_proj: nnx.Param, ctx: layers.Context) -> jax.Array:
+    def __call__(self, x: jax.Array, o_proj: nnx.Param, ctx: layers.Context, cached=None):
+        """The attention block's output; with `cached` (a layer's keys and values from a
+        `KVCache`), (output, new keys, new values) instead."""
+        if cached is not None:
+            new = ("batch", None, "kv_heads", "head_dim")
+            attend = tensor_parallel(
+                layers.cached_attention, value_axes(self), value_axes(o_proj), (), LAYER_AXES, LAYER_AXES, (),
+                kept_axes=(new, new),
+            )  # fmt: skip
+            return attend(x, params_of(self), o_proj.get_value(), ctx.rope, *cached, ctx.positions)
         attention = partial(layers.attention, implementation=self.implementation)
         attend = tensor_parallel(attention, value_axes(self), value_axes(o_proj), (), ())
         return attend(x, params_of(self), o_proj.get_value(), ctx.rope, ctx.segment_ids)
@@ -95,8 +105,12 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = Norm(model, stack)
         self.mlp = FeedForward(model, stack)
 
-    def __call__(self, x: jax.Array, qkv: Attention, ctx: layers.Context) -> jax.Array:
+    def __call__(self, x: jax.Array, qkv: Attention, ctx: layers.Context, cached=None):
+        """The layer's output; with `cached` (see `Attention`), (output, (new keys, new values))."""
         x = checkpoint_name(x, "layer_input")
-        x = x + qkv(self.attn_norm(x), self.o_proj, ctx)
+        attended = qkv(self.attn_norm(x), self.o_proj, ctx, cached)
+        out, new = (attended[0], attended[1:]) if cached is not None else (attended, None)
+        x = x + out
         x = x + checkpoint_name(self.mlp(self.mlp_norm(x)), "mlp_out")
-        return constrain(x, *RESIDUAL)
+        x = constrain(x, *RESIDUAL)
+        return x if cached is None else (x, new)

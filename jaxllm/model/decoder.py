@@ -25,6 +25,7 @@ from flax import nnx
 from jaxllm.config import sizes
 from jaxllm.model import layers
 from jaxllm.model.blocks import UNSTACKED, Attention, DecoderLayer, Norm, Stack
+from jaxllm.model.cache import KVCache
 from jaxllm.model.params import Params, declare, init_params, params_of, specs_of
 from jaxllm.parallel.pipeline import gather_stage_weights, pipeline_stack
 from jaxllm.parallel.rules import AXIS_RULES, constrain
@@ -74,23 +75,40 @@ class LayerGroup(nnx.Module):
         self.qkv = Attention(model, stack)
         self.layers = DecoderLayer(model, ((*lead, self.size), (*lead_axes, "sublayers")))
 
-    def __call__(self, x: jax.Array, ctx: layers.Context) -> jax.Array:
-        """One group: its QKV unstacked, its layers stacked on the leading dim."""
-        wrap_layer, _ = _remat_wrappers(self.remat)
+    def __call__(self, x: jax.Array, ctx: layers.Context, cache: KVCache | None = None, group=None):
+        """One group: its QKV unstacked, its layers stacked on the leading dim. With the decoder's
+        `cache` and this group's index, (output, cache with the group's new keys and values)."""
+        wrap_layer, _ = _remat_wrappers(self.remat if cache is None else "none")
         qkv_graph, layer_graph = nnx.graphdef(self.qkv), nnx.graphdef(self.layers)
 
         @wrap_layer
-        def layer(x, qkv: Params, params: Params, ctx):
-            return nnx.merge(layer_graph, params)(x, nnx.merge(qkv_graph, qkv), ctx)
+        def layer(x, qkv: Params, params: Params, ctx, cached):
+            return nnx.merge(layer_graph, params)(x, nnx.merge(qkv_graph, qkv), ctx, cached)
 
         qkv, stacked = params_of(self.qkv), params_of(self.layers)
         for i in range(self.size):
-            x = layer(x, qkv, jax.tree.map(lambda a, i=i: a[i], stacked), ctx)
-        return x
+            params = jax.tree.map(lambda a, i=i: a[i], stacked)
+            if cache is None:
+                x = layer(x, qkv, params, ctx, None)
+            else:
+                x, (keys, values) = layer(x, qkv, params, ctx, cache.layer(group, i))
+                cache = cache.store(group, i, keys, values, ctx.positions)
+        return x if cache is None else (x, cache)
 
 
-def scan_groups(graph: nnx.GraphDef, remat: str, groups: Params, x: jax.Array, ctx: layers.Context) -> jax.Array:
-    """Applies stacked groups (a `LayerGroup` graph, params with a leading group dim) in order."""
+def scan_groups(
+    graph: nnx.GraphDef, remat: str, groups: Params, x: jax.Array, ctx: layers.Context, cache: KVCache | None = None
+):
+    """Applies stacked groups (a `LayerGroup` graph, params with a leading group dim) in order;
+    with a `cache`, carries it through the scan and returns (output, cache)."""
+    if cache is not None:
+
+        def step(carry, xs):
+            (x, cache), (params, group) = carry, xs
+            return nnx.merge(graph, params)(x, ctx, cache, group), None
+
+        count = jax.tree.leaves(groups)[0].shape[0]
+        return jax.lax.scan(step, (x, cache), (groups, jnp.arange(count)))[0]
     _, wrap_group = _remat_wrappers(remat)
     body = wrap_group(lambda x, params, ctx: nnx.merge(graph, params)(x, ctx))
     x, _ = jax.lax.scan(lambda carry, params: (body(carry, params, ctx), None), x, groups)
@@ -133,9 +151,14 @@ class Decoder(nnx.Module):
         segment_ids: jax.Array | None = None,
         positions: jax.Array | None = None,
         copies: Params | None = None,
-    ) -> jax.Array:
+        cache: KVCache | None = None,
+    ):
         """fp32 logits [batch, seq, padded_vocab]; padded vocab entries are masked to NEG_INF. A
-        pipelined decoder computes with `copies` (see `stage_copies`), or gathers its own."""
+        pipelined decoder computes with `copies` (see `stage_copies`), or gathers its own.
+
+        With a `cache` (one row per batch row), the tokens sit at `positions` (consecutive per
+        row; 0, 1, ... by default) after what the cache holds: their keys and values are written
+        into it, and the result is (logits, cache)."""
         model = self.model
         dt = jnp.dtype(model.dtype)
         ctx = layers.make_context(tokens, segment_ids, positions, sizes(model).head_dim, model.rope_theta)
@@ -144,18 +167,24 @@ class Decoder(nnx.Module):
         # which in bf16 would stop growing after a few hundred occurrences.
         table = constrain(self.embed.get_value(), "vocab", None)
         x = constrain(jnp.take(table, tokens, axis=0).astype(dt), *RESIDUAL)
-        x = self._stack(x, ctx, copies)
+        if cache is not None:
+            x, cache = self._stack(x, ctx, copies, cache)
+        else:
+            x = self._stack(x, ctx, copies)
         x = self.final_norm(x)
         head = self.embed.get_value().T if model.tie_embeddings else self.lm_head.get_value()
         logits = jnp.einsum("bte,ev->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
         logits = constrain(logits, "batch", "head_seq", "vocab")
-        return jnp.where(jnp.arange(sizes(model).padded_vocab) < model.vocab_size, logits, layers.NEG_INF)
+        logits = jnp.where(jnp.arange(sizes(model).padded_vocab) < model.vocab_size, logits, layers.NEG_INF)
+        return logits if cache is None else (logits, cache)
 
-    def _stack(self, x: jax.Array, ctx: layers.Context, copies: Params | None) -> jax.Array:
+    def _stack(self, x: jax.Array, ctx: layers.Context, copies: Params | None, cache: KVCache | None = None):
         graph, groups = nnx.graphdef(self.groups), params_of(self.groups)
         run = partial(scan_groups, graph, self.model.remat)
         if self.schedule is None:
-            return run(groups, x, ctx)
+            return run(groups, x, ctx, cache)
+        if cache is not None:
+            raise ValueError("a KV cache needs the plain stack: load the params without a pipeline schedule")
         specs = specs_of(self.groups)
         if copies is None:
             copies = gather_stage_weights(groups, specs, jnp.dtype(self.model.dtype))
@@ -210,7 +239,9 @@ def forward(
     positions: jax.Array | None = None,
     schedule: Schedule | None = None,
     copies: Params | None = None,
-) -> jax.Array:
+    cache: KVCache | None = None,
+):
     """The decoder on a plain params dict (the train state's). With a pipeline `schedule`, params
-    hold the groups in its view (see `Decoder`), and `copies` may hold their `stage_copies`."""
-    return Decoder.from_params(model, params, schedule)(tokens, segment_ids, positions, copies)
+    hold the groups in its view (see `Decoder`), and `copies` may hold their `stage_copies`. With
+    a `cache`, (logits, cache) (see `Decoder.__call__`)."""
+    return Decoder.from_params(model, params, schedule)(tokens, segment_ids, positions, copies, cache)

@@ -1,24 +1,16 @@
-"""Generation by full recomputation over a fixed-size buffer (one compile): the sample printed
-after training. Greedy at temperature 0, else temperature and top-k sampling from a seed."""
+"""KV-cached generation for one sequence: the sample printed after training. The prompt fills
+the cache in one pass, then each token is one step over the cache; `sampling.sample` draws
+(greedy at temperature 0). One compile."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 
+from jaxllm.model.cache import KVCache
 from jaxllm.model.decoder import forward
-
-
-def sample_token(logits: jax.Array, key: jax.Array, temperature: float, top_k: int) -> jax.Array:
-    """Argmax at temperature 0; otherwise a draw from the top-k (0 = all) tokens at `temperature`."""
-    if temperature == 0:
-        return jnp.argmax(logits, axis=-1)
-    if top_k:
-        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    return jax.random.categorical(key, logits / temperature, axis=-1)
+from jaxllm.model.sampling import Sampling, sample
 
 
 def generate(
@@ -26,26 +18,32 @@ def generate(
     model: ml_collections.ConfigDict,
     prompt: list[int],
     length: int,
-    *,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    seed: int = 0,
+    sampling: Sampling | None = None,
+    vocab_size: int | None = None,
 ) -> list[int]:
-    """Continues `prompt` up to `length` tokens in total (prompt included)."""
+    """Continues `prompt` up to `length` tokens in total (prompt included), with one slot's
+    `sampling` (greedy by default), never drawing an id ≥ `vocab_size` (the tokenizer's;
+    default the model's)."""
     if not 0 < len(prompt) < length:
         raise ValueError(f"prompt of {len(prompt)} tokens must be non-empty and shorter than length={length}")
-    model = model.copy_and_resolve_references()
-    model.attention = "xla"  # any length on any backend; the fused kernels want block-sized ones
+    sampling = Sampling.one() if sampling is None else sampling
+    vocab_size = vocab_size or model.vocab_size
+    start = len(prompt)
+
+    def draw(logits, index):
+        return sample(logits[:, -1], sampling, jnp.array([index]), vocab_size)
 
     @jax.jit
-    def run(params, buffer):
-        def step(i, buf):
-            logits = forward(params, buf[None], model)[0, i - 1]
-            token = sample_token(logits, jax.random.fold_in(jax.random.key(seed), i), temperature, top_k)
-            return buf.at[i].set(token.astype(buf.dtype))
+    def run(params, prompt):
+        logits, cache = forward(params, prompt[None], model, cache=KVCache.empty(model, 1, length))
 
-        return jax.lax.fori_loop(len(prompt), length, step, buffer)
+        def step(i, carry):
+            tokens, token, cache = carry
+            tokens = tokens.at[i].set(token[0])
+            logits, cache = forward(params, token[:, None], model, positions=jnp.full((1, 1), i), cache=cache)
+            return tokens, draw(logits, i + 1 - start), cache
 
-    buffer = np.zeros(length, np.int32)
-    buffer[: len(prompt)] = prompt
-    return [int(t) for t in run(params, jnp.asarray(buffer))]
+        tokens = jnp.zeros(length, jnp.int32).at[:start].set(prompt)
+        return jax.lax.fori_loop(start, length, step, (tokens, draw(logits, 0), cache))[0]
+
+    return [int(t) for t in run(params, jnp.asarray(prompt, jnp.int32))]

@@ -27,6 +27,7 @@ class Context(NamedTuple):
 
     rope: tuple[jax.Array, jax.Array]
     segment_ids: jax.Array | None  # [batch, seq]; None: each row is one document
+    positions: jax.Array  # [batch, seq]: where a KV cache stores each token
 
 
 def make_context(
@@ -35,7 +36,7 @@ def make_context(
     """RoPE tables (positions default to 0..seq-1) and the documents' segment ids."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t)) if positions is None else positions
-    return Context(rope_tables(positions, head_dim, rope_theta), segment_ids)
+    return Context(rope_tables(positions, head_dim, rope_theta), segment_ids, positions)
 
 
 def norm(x: jax.Array, p: dict, kind: str, eps: float) -> jax.Array:
@@ -130,6 +131,15 @@ def self_attention(
     return per_device(kernel)(q, k, v, segment_ids)
 
 
+def _project_qkv(x: jax.Array, qkv: dict, rope: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
+    dt = x.dtype
+    q = jnp.einsum("bte,ehd->bthd", x, qkv["q"].astype(dt))
+    k = jnp.einsum("bte,ehd->bthd", x, qkv["k"].astype(dt))
+    v = jnp.einsum("bte,ehd->bthd", x, qkv["v"].astype(dt))
+    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    return tuple(checkpoint_name(a, "qkv_proj") for a in (q, k, v))
+
+
 def attention(
     x: jax.Array,
     qkv: dict,
@@ -139,14 +149,40 @@ def attention(
     implementation: str = "xla",
 ) -> jax.Array:
     """Self-attention on this device's heads; the caller sums partial outputs over `tensor`."""
-    dt = x.dtype
-    q = jnp.einsum("bte,ehd->bthd", x, qkv["q"].astype(dt))
-    k = jnp.einsum("bte,ehd->bthd", x, qkv["k"].astype(dt))
-    v = jnp.einsum("bte,ehd->bthd", x, qkv["v"].astype(dt))
-    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    q, k, v = (checkpoint_name(a, "qkv_proj") for a in (q, k, v))
+    q, k, v = _project_qkv(x, qkv, rope)
     ctx = checkpoint_name(self_attention(q, k, v, segment_ids, implementation), "attn_out")
-    return jnp.einsum("bthd,hde->bte", ctx, o_proj.astype(dt))
+    return jnp.einsum("bthd,hde->bte", ctx, o_proj.astype(x.dtype))
+
+
+def write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """`cache` [b, S, ...] with row r's `new` [b, t, ...] written at positions start[r]..start[r]+t-1."""
+    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), s, 0))(cache, new, start)
+
+
+def cached_attention(
+    x: jax.Array,
+    qkv: dict,
+    o_proj: jax.Array,
+    rope: tuple[jax.Array, jax.Array],
+    keys: jax.Array,
+    values: jax.Array,
+    positions: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Attention of new tokens at `positions` [b, t] (consecutive per row) over a layer's cached
+    keys and values [b, max_len, kv_heads, d] with theirs written in: (output, their keys, their
+    values), the last two for the caller to store."""
+    q, k, v = _project_qkv(x, qkv, rope)
+    keys, values = write_rows(keys, k, positions[:, 0]), write_rows(values, v, positions[:, 0])
+    index = jnp.arange(keys.shape[1])[None]
+    one_document = jnp.ones_like(index)
+    mask = attention_mask(positions, index, jnp.ones_like(positions), one_document)
+    ctx = attend(q, keys.astype(q.dtype), values.astype(q.dtype), mask)
+    # The new entries are handed back as read from the updated slice, not as projected: the
+    # caller's write into the whole cache then depends on this read of it, so the compiler can
+    # write in place instead of copying the cache to keep the read safe.
+    written = jax.vmap(lambda c, p: c[p])
+    out = jnp.einsum("bthd,hde->bte", ctx, o_proj.astype(x.dtype))
+    return out, written(keys, positions), written(values, positions)
 
 
 def feed_forward(x: jax.Array, p: dict, activation: str) -> jax.Array:

@@ -20,23 +20,29 @@ def _is_axes(x: Any) -> bool:
 RESIDUAL = ("batch", "act_seq", "act_embed")  # logical axes of a block's input and output
 
 
-def tensor_parallel(fn: Callable, *arg_axes: Any) -> Callable:
+def tensor_parallel(fn: Callable, *arg_axes: Any, kept_axes: tuple = ()) -> Callable:
     """`fn(x, *args)` on this device's `tensor` shard, its partial outputs all-reduced; with
     sequence parallelism, `x` comes split along the sequence and is all-gathered first, and the
     outputs are reduce-scattered back along it (the same bytes as one all-reduce).
 
     `x` is the residual stream ([batch, seq, embed]); `arg_axes` gives, per further argument, the
-    logical axis names of each array (a pytree of tuples; `()` for a replicated argument). Built
+    logical axis names of each array (a pytree of tuples; `()` for a replicated argument). With
+    `kept_axes`, `fn` returns (output, *kept): only the output is summed, each kept array stays
+    on its shard and is named by its entry (a KV cache's new keys stay split by kv heads). Built
     per trace, as shard_map binds the mesh in context at its first call. Inside a region already
     manual over `tensor` (the pipeline) it needs no shard_map; without a mesh or without tensor
     parallelism `fn` runs as is.
     """
     split = sequence_parallel()
 
-    def summed(x, *args):
+    def sum_output(y):
         if split:
-            return reduce_scatter_sum(fn(all_gather(x, "tensor", 1), *args), "tensor", 1)
-        return all_reduce_sum(fn(to_varying(x, "tensor"), *args), "tensor")
+            return reduce_scatter_sum(y, "tensor", 1)
+        return all_reduce_sum(y, "tensor")
+
+    def summed(x, *args):
+        out = fn(all_gather(x, "tensor", 1) if split else to_varying(x, "tensor"), *args)
+        return (sum_output(out[0]), *out[1:]) if kept_axes else sum_output(out)
 
     mesh = jax.sharding.get_abstract_mesh()
     if "tensor" in mesh.manual_axes:
@@ -45,4 +51,6 @@ def tensor_parallel(fn: Callable, *arg_axes: Any) -> Callable:
         return fn
     residual = manual_spec(*RESIDUAL, rules=active_rules())
     in_specs = (residual, *(jax.tree.map(lambda axes: manual_spec(*axes), a, is_leaf=_is_axes) for a in arg_axes))
-    return jax.shard_map(summed, in_specs=in_specs, out_specs=residual, axis_names={"tensor"})
+    kept = tuple(manual_spec(*axes) for axes in kept_axes)
+    out_specs = (residual, *kept) if kept_axes else residual
+    return jax.shard_map(summed, in_specs=in_specs, out_specs=out_specs, axis_names={"tensor"})

@@ -22,6 +22,7 @@ from jaxllm.config import validate
 from jaxllm.data.dataset import prepare_data
 from jaxllm.data.loader import eval_batches, train_batches
 from jaxllm.model.generate import generate
+from jaxllm.model.sampling import Sampling
 from jaxllm.parallel.mesh import describe, make_mesh
 from jaxllm.train.faults import NonFiniteSteps, Preemption, heartbeat, kill_self
 from jaxllm.train.metrics import MetricsWriter, memory_in_use, peak_flops
@@ -223,9 +224,8 @@ class Loop:
         prompt = self.data.tokenizer.encode(t.sample_prompt)
         length = min(len(prompt) + t.sample_tokens, model.max_seq_len)
         params = to_canonical(self.state["params"], self.run.schedule)
-        tokens = generate(
-            params, model, prompt, length, temperature=t.sample_temperature, top_k=t.sample_top_k, seed=t.seed
-        )
+        sampling = Sampling.one(t.sample_temperature, t.sample_top_k, t.sample_top_p, seed=t.seed)
+        tokens = generate(params, model, prompt, length, sampling, self.data.tokenizer.vocab_size)
         return self.data.tokenizer.decode(tokens)
 
     def close(self) -> None:

@@ -1,0 +1,54 @@
+"""The KV cache of a decoder generating for `slots` sequences at once. Layers of a group share
+their QKV weights but apply them to different inputs, so each layer has its own keys and values:
+[groups, qkv_share_every, slots, max_len, kv_heads, head_dim] each. The decoder carries the cache
+through its scan over groups and writes only the new positions, so a caller that donates it
+updates it in place."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from jaxllm.config import sizes
+
+AXES = ("layers", "sublayers", "batch", None, "kv_heads", "head_dim")  # logical axes of keys and values
+LAYER_AXES = AXES[2:]  # one layer's: [slots, max_len, kv_heads, head_dim]
+
+
+class KVCache(NamedTuple):
+    keys: jax.Array
+    values: jax.Array
+
+    @classmethod
+    def empty(cls, model: ml_collections.ConfigDict, slots: int, max_len: int, dtype=None) -> KVCache:
+        """Zeros in `dtype` (default: the model's compute dtype)."""
+        s = sizes(model)
+        shape = (s.groups, model.qkv_share_every, slots, max_len, s.kv_heads, s.head_dim)
+        zeros = jnp.zeros(shape, dtype or model.dtype)
+        return cls(zeros, zeros)
+
+    def layer(self, group: jax.Array, index: int) -> tuple[jax.Array, jax.Array]:
+        """One layer's keys and values: [slots, max_len, kv_heads, head_dim] each."""
+        return self.keys[group, index], self.values[group, index]
+
+    def store(self, group: jax.Array, index: int, keys: jax.Array, values: jax.Array, positions: jax.Array):
+        """The cache with one layer's new keys and values [slots, t, ...] written at `positions`
+        [slots, t] (consecutive per row): a scatter of those entries alone, batched over the
+        slots so each row is written where it lives, never a rewrite of the layer's slice."""
+        starts = positions[:, :1]
+        where = jnp.concatenate([jnp.full_like(starts, group), jnp.full_like(starts, index), starts], axis=1)
+        dims = jax.lax.ScatterDimensionNumbers(
+            update_window_dims=(1, 2, 3),  # [t, kv_heads, head_dim] of each slot's update
+            inserted_window_dims=(0, 1),  # group, layer
+            scatter_dims_to_operand_dims=(0, 1, 3),  # (group, layer, position)
+            operand_batching_dims=(2,),  # slots
+            scatter_indices_batching_dims=(0,),
+        )
+
+        def write(cache, new):
+            return jax.lax.scatter(cache, where, new.astype(cache.dtype), dims, indices_are_sorted=True)
+
+        return KVCache(write(self.keys, keys), write(self.values, values))

@@ -1,0 +1,64 @@
+"""Next-token sampling for a batch of slots, each with its own settings: greedy, temperature,
+top-k, top-p and seed.
+
+A draw's key is `fold_in(seed, choice, token_index)`: a pure function of the request (its seed,
+which of its `n` choices, which token of the output), never of the slot or the step, so a request
+generates the same text alone or among others, whenever it joined.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Sampling(NamedTuple):
+    """Per-slot settings, each an array with one entry per slot."""
+
+    temperature: jax.Array  # 0: greedy
+    top_k: jax.Array  # 0: no limit
+    top_p: jax.Array  # 1: no limit
+    seed: jax.Array
+    choice: jax.Array  # which of a request's n choices the slot produces
+
+    @classmethod
+    def one(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, choice: int = 0):
+        """Settings for a single slot."""
+        return cls(
+            jnp.array([temperature], jnp.float32),
+            jnp.array([top_k], jnp.int32),
+            jnp.array([top_p], jnp.float32),
+            jnp.array([seed], jnp.uint32),
+            jnp.array([choice], jnp.int32),
+        )
+
+
+def draw_key(seed: jax.Array, choice: jax.Array, token_index: jax.Array) -> jax.Array:
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), choice), token_index)
+
+
+def allowed(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """[vocab] bool: the top-k tokens (all if k = 0), cut to the fewest whose probability adds up
+    to at least p. Ties at the cut are all kept."""
+    ordered = jnp.sort(logits)[::-1]
+    kth = jnp.where(top_k > 0, ordered[jnp.clip(top_k - 1, 0, logits.shape[-1] - 1)], -jnp.inf)
+    ordered = jnp.where(ordered >= kth, ordered, -jnp.inf)
+    probs = jax.nn.softmax(ordered)
+    before = jnp.cumsum(probs) - probs  # probability of the tokens ranked above each one
+    last = jnp.where(top_p < 1, jnp.sum(before < top_p) - 1, logits.shape[-1] - 1)  # the last one needed
+    return logits >= jnp.maximum(kth, ordered[last])
+
+
+def sample(logits: jax.Array, sampling: Sampling, token_index: jax.Array, vocab_size: int) -> jax.Array:
+    """[slots] int32 tokens from [slots, vocab] logits (any padding past `vocab_size` is never drawn)."""
+    logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits.astype(jnp.float32), -jnp.inf)
+
+    def one(logits, temperature, top_k, top_p, seed, choice, index):
+        scaled = logits / jnp.maximum(temperature, 1e-6)
+        masked = jnp.where(allowed(scaled, top_k, top_p), scaled, -jnp.inf)
+        drawn = jax.random.categorical(draw_key(seed, choice, index), masked)
+        return jnp.where(temperature > 0, drawn, jnp.argmax(logits)).astype(jnp.int32)
+
+    return jax.vmap(one)(logits, *sampling, token_index)

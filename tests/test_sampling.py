@@ -1,0 +1,84 @@
+"""Sampling against numpy: greedy, temperature, top-k and top-p supports and frequencies; a draw
+depends on its request only, never on its slot or neighbours; padded ids are never drawn."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.config import ConfigError, base_config, validate
+from jaxllm.model.sampling import Sampling, sample
+
+PROBS = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+VOCAB = len(PROBS)
+DRAWS = 4000
+
+
+def _draws(logits, vocab_size=VOCAB, **settings) -> np.ndarray:
+    """DRAWS tokens of one request (seed 7, choice 0), one per token index, all in one batch."""
+    batch = Sampling(*(jnp.full((DRAWS,), v) for v in Sampling.one(**{"seed": 7, **settings})))
+    logits = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (DRAWS, len(logits)))
+    return np.asarray(sample(logits, batch, jnp.arange(DRAWS), vocab_size))
+
+
+def _support(probs: np.ndarray, top_k: int, top_p: float) -> set[int]:
+    """Written independently: the k most likely, then the fewest of those reaching p."""
+    order = np.argsort(-probs, kind="stable")[: top_k or len(probs)]
+    kept = probs[order] / probs[order].sum()
+    needed = np.searchsorted(np.cumsum(kept), top_p - 1e-9) + 1
+    return set(order[:needed].tolist())
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (3, 1.0), (0, 0.7), (4, 0.5), (1, 1.0), (0, 0.3)])
+def test_draws_follow_the_truncated_distribution(top_k, top_p):
+    drawn = _draws(np.log(PROBS), temperature=1.0, top_k=top_k, top_p=top_p)
+    support = _support(PROBS, top_k, top_p)
+    assert set(drawn.tolist()) == support
+    want = np.where(np.isin(np.arange(VOCAB), list(support)), PROBS, 0)
+    np.testing.assert_allclose(np.bincount(drawn, minlength=VOCAB) / DRAWS, want / want.sum(), atol=0.03)
+
+
+def test_temperature_sharpens_and_zero_is_greedy():
+    logits = np.log(PROBS)
+    assert set(_draws(logits, temperature=0.0).tolist()) == {0}
+    cold = np.bincount(_draws(logits, temperature=0.5), minlength=VOCAB) / DRAWS
+    want = PROBS**2 / (PROBS**2).sum()  # p^(1/T), renormalised
+    np.testing.assert_allclose(cold, want, atol=0.03)
+
+
+def test_ids_past_the_vocab_are_never_drawn():
+    logits = np.log(np.concatenate([PROBS, [0.9, 0.9]]) / 2.7)  # two padded ids, most likely of all
+    assert set(_draws(logits, vocab_size=VOCAB, temperature=0.0).tolist()) == {0}
+    assert max(_draws(logits, vocab_size=VOCAB, temperature=1.0).tolist()) < VOCAB
+
+
+def test_a_request_draws_the_same_alone_or_among_others():
+    """Slot and neighbours change, (seed, choice, token index) do not: the same tokens."""
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(8, 50)), jnp.float32)
+    settings = Sampling(
+        temperature=jnp.array([1.0, 0.8, 0.0, 1.2, 1.0, 0.7, 1.0, 0.9]),
+        top_k=jnp.array([0, 5, 0, 10, 0, 3, 20, 0]),
+        top_p=jnp.array([1.0, 0.9, 1.0, 0.8, 0.95, 1.0, 1.0, 0.5]),
+        seed=jnp.arange(8, dtype=jnp.uint32) * 11,
+        choice=jnp.array([0, 1, 0, 2, 0, 0, 1, 0]),
+    )
+    index = jnp.array([3, 0, 7, 12, 1, 5, 9, 2])
+    together = np.asarray(sample(logits, settings, index, 50))
+    perm = np.array([5, 2, 7, 0, 3, 1, 6, 4])
+    shuffled = np.asarray(sample(logits[perm], jax.tree.map(lambda a: a[perm], settings), index[perm], 50))
+    np.testing.assert_array_equal(shuffled, together[perm])
+    for slot in range(8):
+        one = slice(slot, slot + 1)
+        alone = sample(logits[one], jax.tree.map(lambda a, one=one: a[one], settings), index[one], 50)
+        assert int(alone[0]) == together[slot]
+    other_choice = settings._replace(choice=settings.choice + 1)
+    assert not np.array_equal(np.asarray(sample(logits, other_choice, index, 50)), together)
+
+
+@pytest.mark.parametrize("field,value", [("sample_top_p", 0.0), ("sample_top_p", 1.5), ("sample_temperature", -1.0)])
+def test_bad_sample_settings_are_refused(field, value):
+    cfg = base_config()
+    cfg.train[field] = value
+    with pytest.raises(ConfigError, match="0 < top_p <= 1"):
+        validate(cfg, 1)
