@@ -27,8 +27,7 @@ class KVCache(NamedTuple):
         """Zeros in `dtype` (default: the model's compute dtype)."""
         s = sizes(model)
         shape = (s.groups, model.qkv_share_every, slots, max_len, s.kv_heads, s.head_dim)
-        zeros = jnp.zeros(shape, dtype or model.dtype)
-        return cls(zeros, zeros)
+        return cls(jnp.zeros(shape, dtype or model.dtype), jnp.zeros(shape, dtype or model.dtype))
 
     def layer(self, group: jax.Array, index: int) -> tuple[jax.Array, jax.Array]:
         """One layer's keys and values: [slots, max_len, kv_heads, head_dim] each."""

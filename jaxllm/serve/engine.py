@@ -1,0 +1,87 @@
+"""The serving engine's device side: continuous batching over a fixed number of slots.
+
+A request's prompt is prefilled alone into a one-slot cache (`prefill`, at a bucketed length, so
+a few compiles cover every prompt), inserted into a free slot of the decode state (`insert`), and
+then every active slot advances by one token per `decode` step, all slots in one jitted call.
+Requests join and leave between steps; a slot's tokens depend only on its request (see
+`sampling`), never on which slots are busy.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from jaxllm.model.cache import KVCache
+from jaxllm.model.decoder import forward
+from jaxllm.model.sampling import Sampling, sample
+
+
+class Prefix(NamedTuple):
+    """A prefilled prompt, ready to insert into a slot."""
+
+    cache: KVCache  # one slot's keys and values
+    logits: jax.Array  # [padded vocab] fp32 after the prompt's last token
+    length: jax.Array  # the prompt's true length
+    nll: jax.Array  # [bucket] each prompt token's negative log-likelihood (0 for the first and past the end)
+
+
+class DecodeState(NamedTuple):
+    """Every slot's cache and where its request stands; one entry per slot."""
+
+    cache: KVCache
+    tokens: jax.Array  # the token each slot feeds next (its latest output)
+    positions: jax.Array  # where that token goes in the slot's cache
+    generated: jax.Array  # how many tokens the slot's request has produced
+    sampling: Sampling
+
+    @classmethod
+    def empty(cls, model: ml_collections.ConfigDict, slots: int, max_len: int, dtype=None) -> DecodeState:
+        def zeros(dtype=jnp.int32):  # separate buffers, so the state can be donated
+            return jnp.zeros(slots, dtype)
+
+        sampling = Sampling(zeros(jnp.float32), zeros(), jnp.ones(slots), zeros(jnp.uint32), zeros())
+        return cls(KVCache.empty(model, slots, max_len, dtype), zeros(), zeros(), zeros(), sampling)
+
+
+def prefill(params: dict, model: ml_collections.ConfigDict, tokens: jax.Array, length: jax.Array, max_len: int):
+    """`tokens` [bucket] (the prompt, then padding) of which the first `length` count."""
+    empty = KVCache.empty(model, 1, max_len)
+    logits, cache = forward(params, tokens[None], model, cache=empty)
+    log_probs = jax.nn.log_softmax(logits[0, :-1], axis=-1)
+    nll = -jnp.take_along_axis(log_probs, tokens[1:, None], axis=-1)[:, 0]
+    nll = jnp.where(jnp.arange(1, tokens.shape[0]) < length, nll, 0.0)
+    return Prefix(cache, logits[0, length - 1], length, jnp.concatenate([jnp.zeros(1), nll]))
+
+
+def insert(prefix: Prefix, state: DecodeState, slot: jax.Array, sampling: Sampling, vocab_size: int):
+    """The state with `prefix` in `slot`, decoding with `sampling` (one slot's settings); returns
+    (state, the request's first token)."""
+    first = sample(prefix.logits[None], sampling, jnp.zeros(1, jnp.int32), vocab_size)[0]
+
+    def put(all_slots, one):
+        return jax.lax.dynamic_update_slice_in_dim(all_slots, one.astype(all_slots.dtype), slot, axis=2)
+
+    cache = KVCache(put(state.cache.keys, prefix.cache.keys), put(state.cache.values, prefix.cache.values))
+    state = DecodeState(
+        cache,
+        state.tokens.at[slot].set(first),
+        state.positions.at[slot].set(prefix.length),
+        state.generated.at[slot].set(1),
+        jax.tree.map(lambda all_slots, one: all_slots.at[slot].set(one[0]), state.sampling, sampling),
+    )
+    return state, first
+
+
+def decode(params: dict, model: ml_collections.ConfigDict, state: DecodeState, vocab_size: int):
+    """One step for every slot: (state, each slot's next token). Idle slots compute too; their
+    positions stop at the cache's end."""
+    max_len = state.cache.keys.shape[3]
+    positions = jnp.minimum(state.positions, max_len - 1)
+    logits, cache = forward(params, state.tokens[:, None], model, positions=positions[:, None], cache=state.cache)
+    tokens = sample(logits[:, -1], state.sampling, state.generated, vocab_size)
+    state = DecodeState(cache, tokens, positions + 1, state.generated + 1, state.sampling)
+    return state, tokens
