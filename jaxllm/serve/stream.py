@@ -1,0 +1,67 @@
+"""A request's tokens → the text it may show so far, and when it is finished.
+
+Text is released only once it is final: never a part of a multi-byte character still being
+spelt out over several tokens, and never the start of what could still become a stop string.
+A stop string ends the request and is left out of its text; so is the end-of-sequence token
+(unless `ignore_eos`); `max_tokens` ends it with `length`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from jaxllm.data.tokenizer import Tokenizer
+
+MAX_STOPS = 4
+INCOMPLETE = "\ufffd"  # what decoding shows for the bytes of an unfinished character
+
+
+class TextStream:
+    def __init__(
+        self, tokenizer: Tokenizer, max_tokens: int, stop: Sequence[str] = (), ignore_eos: bool = False
+    ):
+        stop = [s for s in stop if s]
+        if len(stop) > MAX_STOPS:
+            raise ValueError(f"{len(stop)} stop strings given; at most {MAX_STOPS} are allowed")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens={max_tokens} must be at least 1")
+        self.tokenizer, self.max_tokens, self.stop, self.ignore_eos = tokenizer, max_tokens, stop, ignore_eos
+        self.tokens: list[int] = []
+        self.released = ""  # the text shown so far
+        self.finish_reason: str | None = None  # 'stop' or 'length' once finished
+
+    def push(self, token: int) -> str:
+        """Takes the request's next token; returns the text that became final with it."""
+        if self.finish_reason is not None:
+            raise ValueError("the request is finished; push no more tokens")
+        if token == self.tokenizer.eos_id and not self.ignore_eos:
+            return self._finish("stop", self._text())
+        self.tokens.append(token)
+        text = self._text()
+        # Released text never ends in the start of a stop string, so a stop starts after it.
+        hits = [at for at in (text.find(s, len(self.released)) for s in self.stop) if at >= 0]
+        if hits:
+            return self._finish("stop", text[: min(hits)])
+        if len(self.tokens) >= self.max_tokens:
+            return self._finish("length", text)
+        return self._release(text[: len(text) - self._held(text)])
+
+    def _text(self) -> str:
+        return self.tokenizer.decode(self.tokens)
+
+    def _held(self, text: str) -> int:
+        """How many trailing characters are not final yet: an unfinished character, and before
+        it the longest ending that begins a stop string (the character may continue it)."""
+        done = text.rstrip(INCOMPLETE)
+        starts = [n for s in self.stop for n in range(1, min(len(s) - 1, len(done)) + 1) if done.endswith(s[:n])]
+        return len(text) - len(done) + max(starts, default=0)
+
+    def _release(self, final: str) -> str:
+        if len(final) <= len(self.released):
+            return ""
+        new, self.released = final[len(self.released) :], final
+        return new
+
+    def _finish(self, reason: str, final: str) -> str:
+        self.finish_reason = reason
+        return self._release(final)
