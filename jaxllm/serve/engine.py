@@ -19,6 +19,40 @@ from jaxllm.model.cache import KVCache
 from jaxllm.model.decoder import forward
 from jaxllm.model.sampling import Sampling, sample
 
+TOP_LOGPROBS = 20
+
+
+def prompt_buckets(max_prompt_tokens: int, max_len: int) -> list[int]:
+    """The lengths prompts are padded to, one compile each: powers of two from 16, up to and
+    ending with min(max_prompt_tokens, max_len)."""
+    top, sizes = min(max_prompt_tokens, max_len), []
+    while (16 << len(sizes)) < top:
+        sizes.append(16 << len(sizes))
+    return [*sizes, top]
+
+
+def bucket_for(length: int, buckets: list[int]) -> int:
+    if not 0 < length <= buckets[-1]:
+        raise ValueError(f"a prompt of {length} tokens does not fit: prompts take 1 to {buckets[-1]} tokens")
+    return next(b for b in buckets if b >= length)
+
+
+class Tokens(NamedTuple):
+    """What a step produced, per slot, with the model's raw log-probabilities (before
+    temperature, top-k and top-p)."""
+
+    ids: jax.Array
+    logprobs: jax.Array  # of each chosen token
+    top_ids: jax.Array  # [.., TOP_LOGPROBS] the most likely tokens, most likely first
+    top_logprobs: jax.Array
+
+
+def _tokens(logits: jax.Array, ids: jax.Array, vocab_size: int) -> Tokens:
+    logprobs = jax.nn.log_softmax(jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf), axis=-1)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, TOP_LOGPROBS)
+    chosen = jnp.take_along_axis(logprobs, ids[:, None], axis=-1)[:, 0]
+    return Tokens(ids, chosen, top_ids, top_logprobs)
+
 
 class Prefix(NamedTuple):
     """A prefilled prompt, ready to insert into a slot."""
@@ -59,8 +93,8 @@ def prefill(params: dict, model: ml_collections.ConfigDict, tokens: jax.Array, l
 
 def insert(prefix: Prefix, state: DecodeState, slot: jax.Array, sampling: Sampling, vocab_size: int):
     """The state with `prefix` in `slot`, decoding with `sampling` (one slot's settings); returns
-    (state, the request's first token)."""
-    first = sample(prefix.logits[None], sampling, jnp.zeros(1, jnp.int32), vocab_size)[0]
+    (state, the request's first token as `Tokens` of one slot)."""
+    first = sample(prefix.logits[None], sampling, jnp.zeros(1, jnp.int32), vocab_size)
 
     def put(all_slots, one):
         return jax.lax.dynamic_update_slice_in_dim(all_slots, one.astype(all_slots.dtype), slot, axis=2)
@@ -68,20 +102,20 @@ def insert(prefix: Prefix, state: DecodeState, slot: jax.Array, sampling: Sampli
     cache = KVCache(put(state.cache.keys, prefix.cache.keys), put(state.cache.values, prefix.cache.values))
     state = DecodeState(
         cache,
-        state.tokens.at[slot].set(first),
+        state.tokens.at[slot].set(first[0]),
         state.positions.at[slot].set(prefix.length),
         state.generated.at[slot].set(1),
         jax.tree.map(lambda all_slots, one: all_slots.at[slot].set(one[0]), state.sampling, sampling),
     )
-    return state, first
+    return state, _tokens(prefix.logits[None], first, vocab_size)
 
 
 def decode(params: dict, model: ml_collections.ConfigDict, state: DecodeState, vocab_size: int):
-    """One step for every slot: (state, each slot's next token). Idle slots compute too; their
-    positions stop at the cache's end."""
+    """One step for every slot: (state, each slot's next token as `Tokens`). Idle slots compute
+    too; their positions stop at the cache's end."""
     max_len = state.cache.keys.shape[3]
     positions = jnp.minimum(state.positions, max_len - 1)
     logits, cache = forward(params, state.tokens[:, None], model, positions=positions[:, None], cache=state.cache)
     tokens = sample(logits[:, -1], state.sampling, state.generated, vocab_size)
     state = DecodeState(cache, tokens, positions + 1, state.generated + 1, state.sampling)
-    return state, tokens
+    return state, _tokens(logits[:, -1], tokens, vocab_size)
