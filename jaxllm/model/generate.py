@@ -44,6 +44,7 @@ def generate(
             return tokens, draw(logits, i + 1 - start), cache
 
         tokens = jnp.zeros(length, jnp.int32).at[:start].set(prompt)
-        return jax.lax.fori_loop(start, length, step, (tokens, draw(logits, 0), cache))[0]
+        tokens, last, _ = jax.lax.fori_loop(start, length - 1, step, (tokens, draw(logits, 0), cache))
+        return tokens.at[length - 1].set(last[0])  # the last token needs no step over the cache
 
     return [int(t) for t in run(params, jnp.asarray(prompt, jnp.int32))]

@@ -25,16 +25,12 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.config import MESH_AXES
 from jaxllm.model.params import is_norm
 from jaxllm.parallel.collectives import reduce_scatter_sum, to_varying
-from jaxllm.parallel.rules import GATHERED_RULES, RULES, active_rules, as_tuple, constrain, manual_spec
+from jaxllm.parallel.rules import GATHERED_RULES, RULES, active_rules, as_tuple, constrain, is_axes, manual_spec
 from jaxllm.parallel.schedule import Schedule, split_microbatches
 from jaxllm.parallel.tensor_parallel import RESIDUAL
 
 MANUAL_AXES = frozenset(MESH_AXES)
 BATCH_AXES = as_tuple(RULES["batch"])  # the data-parallel mesh axes
-
-
-def _is_axes(x) -> bool:
-    return isinstance(x, tuple)
 
 
 def _stage_major_arrays(groups):
@@ -130,8 +126,8 @@ def pipeline_stack(groups, specs, x: jax.Array, ctx, schedule: Schedule, stack_f
     delay = m - s if r > 1 else 0  # iterations the last stage's output waits for stage 0
     axes = _stage_major(specs)
     spec_of = partial(manual_spec, manual_axes=MANUAL_AXES)
-    shard_specs = jax.tree.map(lambda a: spec_of(*a), axes, is_leaf=_is_axes)
-    copy_specs = jax.tree.map(lambda a: spec_of(*a, rules=GATHERED_RULES), axes, is_leaf=_is_axes)
+    shard_specs = jax.tree.map(lambda a: spec_of(*a), axes, is_leaf=is_axes)
+    copy_specs = jax.tree.map(lambda a: spec_of(*a, rules=GATHERED_RULES), axes, is_leaf=is_axes)
     micro_spec = spec_of(None, *RESIDUAL, rules=active_rules())  # [M, mb, seq, embed]; seq on `tensor` with SP
     out_spec = P(None, micro_spec[1], (*as_tuple(micro_spec[2]), "stage"))
     micro = split_microbatches(x, m)
@@ -144,7 +140,7 @@ def pipeline_stack(groups, specs, x: jax.Array, ctx, schedule: Schedule, stack_f
         micro = to_varying(micro, "stage")
         copies = jax.tree.map(lambda c: _varying_like(c[0], micro), copies)
         sinks = jax.tree.map(
-            lambda w, c, spec: _grad_sink(w[0], c, P(*spec[1:])), shards, copies, shard_specs, is_leaf=_is_axes
+            lambda w, c, spec: _grad_sink(w[0], c, P(*spec[1:])), shards, copies, shard_specs, is_leaf=is_axes
         )
 
         def iteration(carry, i):

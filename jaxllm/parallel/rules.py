@@ -78,6 +78,11 @@ GATHERED_RULES: dict[str, MeshAxes] = {**RULES, "embed": None}
 OPTIMIZER_RULES: dict[str, MeshAxes] = {**RULES, "embed": ("fsdp", "data")}
 
 
+def is_axes(x) -> bool:
+    """A leaf of a tree of logical axis names: one array's names, as a tuple."""
+    return isinstance(x, tuple)
+
+
 def as_tuple(axes: MeshAxes) -> tuple[str, ...]:
     if axes is None:
         return ()

@@ -10,12 +10,7 @@ from typing import Any
 import jax
 
 from jaxllm.parallel.collectives import all_gather, all_reduce_sum, reduce_scatter_sum, to_varying
-from jaxllm.parallel.rules import active_rules, manual_spec, sequence_parallel
-
-
-def _is_axes(x: Any) -> bool:
-    return isinstance(x, tuple)
-
+from jaxllm.parallel.rules import active_rules, is_axes, manual_spec, sequence_parallel
 
 RESIDUAL = ("batch", "act_seq", "act_embed")  # logical axes of a block's input and output
 
@@ -50,7 +45,7 @@ def tensor_parallel(fn: Callable, *arg_axes: Any, kept_axes: tuple = ()) -> Call
     if mesh.shape.get("tensor", 1) == 1:
         return fn
     residual = manual_spec(*RESIDUAL, rules=active_rules())
-    in_specs = (residual, *(jax.tree.map(lambda axes: manual_spec(*axes), a, is_leaf=_is_axes) for a in arg_axes))
+    in_specs = (residual, *(jax.tree.map(lambda axes: manual_spec(*axes), a, is_leaf=is_axes) for a in arg_axes))
     kept = tuple(manual_spec(*axes) for axes in kept_axes)
     out_specs = (residual, *kept) if kept_axes else residual
     return jax.shard_map(summed, in_specs=in_specs, out_specs=out_specs, axis_names={"tensor"})
