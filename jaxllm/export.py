@@ -2,9 +2,10 @@
 
     python -m jaxllm.export --workdir runs/tiny --out exports/tiny [--step N]
 
-The export holds `params/` (an Orbax checkpoint of the parameters, groups in canonical order) and
-`config.json` (the run's own config, with `export_step`). Only parameters are read from the
-checkpoint, sharded over this host's devices; the optimizer state stays on disk.
+The export holds `params/` (an Orbax checkpoint of the parameters, groups in canonical order),
+`config.json` (the run's own config, with `export_step`) and `tokenizer/` (the run's tokenizer
+and its fingerprint). Only parameters are read from the checkpoint, sharded over this host's
+devices; the optimizer state stays on disk.
 """
 
 from __future__ import annotations
@@ -15,15 +16,21 @@ import pathlib
 import ml_collections
 
 from jaxllm.checkpoint import load_params, write_export
+from jaxllm.data.tokenizer import load_saved_tokenizer, save_tokenizer
 from jaxllm.errors import exit_on_error
 from jaxllm.parallel.mesh import make_mesh
 
 
-def export(workdir: str | pathlib.Path, out: str | pathlib.Path, step: int | None = None) -> int:
-    """Exports the latest checkpoint (or `step`) of `workdir`; returns its step."""
+def export(
+    workdir: str | pathlib.Path, out: str | pathlib.Path, step: int | None = None, tokenizer: str | None = None
+) -> int:
+    """Exports the latest checkpoint (or `step`) of `workdir` with its tokenizer (or `tokenizer`,
+    for runs that saved none); returns its step."""
+    saved_tokenizer = load_saved_tokenizer(pathlib.Path(workdir) / "tokenizer", tokenizer)
     fsdp_here = ml_collections.ConfigDict(dict(data=1, fsdp=-1, stage=1, tensor=1))
     cfg, params, step = load_params(workdir, make_mesh(fsdp_here), step=step)
     write_export(out, cfg, params, step)
+    save_tokenizer(saved_tokenizer, pathlib.Path(out) / "tokenizer")
     print(f"exported step {step} of {workdir} to {pathlib.Path(out).absolute()}")
     return step
 
@@ -34,8 +41,9 @@ def main() -> None:
     parser.add_argument("--workdir", required=True, help="a training run's --workdir")
     parser.add_argument("--out", required=True)
     parser.add_argument("--step", type=int, default=None, help="a checkpoint step (default: the latest)")
+    parser.add_argument("--tokenizer", default=None, help="'gpt2' or a tokenizer.json, for runs that saved none")
     args = parser.parse_args()
-    export(args.workdir, args.out, args.step)
+    export(args.workdir, args.out, args.step, args.tokenizer)
 
 
 if __name__ == "__main__":

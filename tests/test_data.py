@@ -1,6 +1,8 @@
 """Tokenizers, prepare, and the grain loader, on real text and real tokenizers."""
 
 import json
+import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -14,7 +16,7 @@ from jaxllm.data.corpus import CorpusError
 from jaxllm.data.dataset import prepare_data
 from jaxllm.data.loader import TokenWindows, pack, train_batches
 from jaxllm.data.prepare import prepare
-from jaxllm.data.tokenizer import TokenizerError, get_tokenizer
+from jaxllm.data.tokenizer import TokenizerError, get_tokenizer, load_saved_tokenizer, save_tokenizer
 from jaxllm.model import forward
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.train.step import init_params
@@ -121,6 +123,21 @@ def test_trained_bpe_round_trips_and_has_explicit_specials(bpe):
 def test_unknown_tokenizer_is_a_clear_error():
     with pytest.raises(TokenizerError, match="use 'gpt2' or a path to a tokenizer.json"):
         get_tokenizer("no/such/tokenizer")
+
+
+def test_a_saved_tokenizer_reloads_and_another_is_refused(bpe, tmp_path):
+    save_tokenizer(bpe, tmp_path / "run")
+    (tmp_path / "elsewhere").mkdir()
+    moved = pathlib.Path(shutil.copy(bpe.name, tmp_path / "elsewhere" / "tokenizer.json"))
+    for override in (None, str(moved)):  # the saved copy, or the same file from elsewhere
+        loaded = load_saved_tokenizer(tmp_path / "run", override)
+        assert loaded.fingerprint == bpe.fingerprint and loaded.encode(SAMPLES[0]) == bpe.encode(SAMPLES[0])
+    with pytest.raises(TokenizerError, match="is not the one in .* that the model was trained with"):
+        load_saved_tokenizer(tmp_path / "run", "gpt2")
+    save_tokenizer(get_tokenizer("gpt2"), tmp_path / "gpt2_run")
+    assert load_saved_tokenizer(tmp_path / "gpt2_run").name == "gpt2"
+    with pytest.raises(TokenizerError, match="holds no tokenizer; pass --tokenizer"):
+        load_saved_tokenizer(tmp_path / "nothing_saved")
 
 
 def test_prepare_counts_splits_and_is_idempotent(corpus, bpe, prepared):

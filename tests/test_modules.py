@@ -157,7 +157,7 @@ def test_checkpoint_written_before_the_modules_restores_and_continues(tmp_path):
     np.testing.assert_allclose(losses, want, rtol=1e-5)
 
     # The same checkpoint through an export into a module, as serving will load it.
-    export(workdir, tmp_path / "export")
+    export(workdir, tmp_path / "export", tokenizer="gpt2")  # the fixture predates saved tokenizers
     exported_cfg, params, _ = load_params(tmp_path / "export")
     module = Decoder.from_params(exported_cfg.model, params)
     chex.assert_trees_all_equal(params_of(module), restored_params)

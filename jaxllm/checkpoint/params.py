@@ -35,36 +35,63 @@ def _target(model: ml_collections.ConfigDict, mesh: Mesh, dtype: Any) -> dict:
     )
 
 
+def _is_export(path: pathlib.Path) -> bool:
+    return (path / "config.json").exists()
+
+
+def _steps(path: pathlib.Path, step: int | None) -> list[int]:
+    """`step`, or every checkpoint step of a run, newest first; refuses a path that has none."""
+    directory = path / "checkpoints"
+    manager = ocp.CheckpointManager(directory, item_names=("state",))
+    steps = sorted(manager.all_steps(), reverse=True) if step is None else [step]
+    manager.close()
+    if not steps or not (directory / str(steps[0]) / "state").is_dir():
+        raise CheckpointError(f"{path} holds no export and no checkpoint{'' if step is None else f' {step}'}; "
+                              "pass an export directory or the --workdir of a training run")  # fmt: skip
+    return steps
+
+
+def stored_config(path: str | pathlib.Path) -> ml_collections.ConfigDict:
+    """The config of an export, or of a training run's latest checkpoint whose metadata reads."""
+    path = pathlib.Path(path).absolute()
+    if _is_export(path):
+        return with_defaults(json.loads((path / "config.json").read_text()))
+    steps = _steps(path, None)
+    for step in steps:
+        try:
+            return saved_config(path, step)
+        except UNREADABLE:
+            continue
+    raise CheckpointError(f"no checkpoint of {path} has readable metadata ({steps}); pass an export or another run")
+
+
 def load_params(
     path: str | pathlib.Path, mesh: Mesh | None = None, dtype: Any = None, step: int | None = None
 ) -> tuple[ml_collections.ConfigDict, dict, int]:
     """(config, params, step) from an export directory or a training run's workdir (its latest
-    checkpoint, or `step`). Params land in `mesh`'s shardings (default: the first device), cast
-    to `dtype` (default: the config's param_dtype); a checkpoint's optimizer state is never read."""
+    checkpoint that reads back, or `step`). Params land in `mesh`'s shardings (default: the first
+    device), cast to `dtype` (default: the config's param_dtype); a checkpoint's optimizer state
+    is never read."""
     path = pathlib.Path(path).absolute()
     mesh = mesh or make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=1, stage=1, tensor=1)), jax.devices()[:1])
-    if (path / "config.json").exists():
-        cfg = with_defaults(json.loads((path / "config.json").read_text()))
+    if _is_export(path):
+        cfg = stored_config(path)
         target = _target(cfg.model, mesh, dtype or cfg.model.param_dtype)
         return cfg, ocp.StandardCheckpointer().restore(path / "params", target), cfg.get("export_step", -1)
-    directory = path / "checkpoints"
-    manager = ocp.CheckpointManager(directory, item_names=("state",))
-    step = manager.latest_step() if step is None else step
-    manager.close()
-    if step is None or not (directory / str(step) / "state").is_dir():
-        raise CheckpointError(f"{path} holds no export and no checkpoint{'' if step is None else f' {step}'}; "
-                              "pass an export directory or the --workdir of a training run")  # fmt: skip
-    cfg = saved_config(path, step)
-    target = {"params": _target(cfg.model, mesh, dtype or cfg.model.param_dtype)}
-    restore = ocp.args.PyTreeRestore(
-        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
-    )
-    try:
-        state = ocp.PyTreeCheckpointer().restore(directory / str(step) / "state", args=restore)
-    except UNREADABLE as e:
-        cause = f"{type(e).__name__}: {e}".splitlines()[0][:200]
-        raise CheckpointError(f"step {step} of {path} cannot be read ({cause}); pass an earlier step") from None
-    return cfg, state["params"], step
+    steps = _steps(path, step)
+    for step in steps:
+        try:
+            cfg = saved_config(path, step)
+            target = {"params": _target(cfg.model, mesh, dtype or cfg.model.param_dtype)}
+            restore = ocp.args.PyTreeRestore(
+                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
+            )
+            state = ocp.PyTreeCheckpointer().restore(path / "checkpoints" / str(step) / "state", args=restore)
+            return cfg, state["params"], step
+        except UNREADABLE as e:
+            cause = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+            print(f"checkpoint: step {step} of {path} cannot be read ({cause})")
+    raise CheckpointError(f"no checkpoint of {path} can be read ({steps}; see above); pass an export or another run")
 
 
 def write_export(out: str | pathlib.Path, cfg: ml_collections.ConfigDict, params: dict, step: int) -> None:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.resources
+import json
 import os
 import pathlib
+import shutil
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -44,6 +46,11 @@ class Tokenizer(Protocol):
     def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
 
     def decode(self, ids) -> str: ...
+
+    def save(self, directory: pathlib.Path) -> str:
+        """Writes what reloads this tokenizer into `directory`; returns what to pass `get_tokenizer`
+        there ('gpt2', or the file's name)."""
+        ...
 
 
 def _sha256(path: pathlib.Path) -> str:
@@ -84,6 +91,9 @@ class GPT2Tokenizer:
     def decode(self, ids) -> str:
         return self._enc.decode([int(i) for i in ids])
 
+    def save(self, directory: pathlib.Path) -> str:
+        return "gpt2"  # rebuilt from the verified package files
+
 
 class HFTokenizer:
     """Any Hugging Face `tokenizer.json` (a file, or a directory holding one)."""
@@ -117,6 +127,11 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    def save(self, directory: pathlib.Path) -> str:
+        if pathlib.Path(self.name).absolute() != (directory / "tokenizer.json").absolute():
+            shutil.copyfile(self.name, directory / "tokenizer.json")
+        return "tokenizer.json"
+
 
 def get_tokenizer(name_or_path: str | pathlib.Path) -> Tokenizer:
     """'gpt2', or a path to a Hugging Face tokenizer.json (or its directory)."""
@@ -125,6 +140,46 @@ def get_tokenizer(name_or_path: str | pathlib.Path) -> Tokenizer:
     if not pathlib.Path(name_or_path).exists():
         raise TokenizerError(f"tokenizer {str(name_or_path)!r} not found: use 'gpt2' or a path to a tokenizer.json")
     return HFTokenizer(name_or_path)
+
+
+RECORD = "fingerprint.json"
+
+
+def save_tokenizer(tokenizer: Tokenizer, directory: str | pathlib.Path) -> None:
+    """Keeps a run's tokenizer beside its checkpoints (or an export's params), with the
+    fingerprint that later loads check."""
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    record = {"tokenizer": tokenizer.save(directory), "fingerprint": tokenizer.fingerprint}
+    tmp = directory / f".{RECORD}.{os.getpid()}"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, directory / RECORD)
+
+
+def load_saved_tokenizer(directory: str | pathlib.Path, override: str | None = None) -> Tokenizer:
+    """The tokenizer saved in `directory` by `save_tokenizer`, or `override` ('gpt2' or a
+    tokenizer.json), which must have the saved fingerprint: another vocabulary is refused."""
+    directory = pathlib.Path(directory)
+    if not (directory / RECORD).is_file():
+        if override is None:
+            raise TokenizerError(
+                f"{directory} holds no tokenizer; pass --tokenizer with the one the model was trained with "
+                "('gpt2' or a tokenizer.json)"
+            )
+        return get_tokenizer(override)  # nothing saved to compare with
+    saved = json.loads((directory / RECORD).read_text())
+    if override is None:
+        name = saved["tokenizer"]
+        tokenizer = get_tokenizer(name if name == "gpt2" else directory / name)
+    else:
+        tokenizer = get_tokenizer(override)
+    if tokenizer.fingerprint != saved["fingerprint"]:
+        raise TokenizerError(
+            f"tokenizer {tokenizer.name} (sha256 {tokenizer.fingerprint[:16]}…) is not the one in {directory} "
+            f"(sha256 {saved['fingerprint'][:16]}…) that the model was trained with: its ids mean other text; "
+            "pass that tokenizer, or leave --tokenizer out to use the saved one"
+        )
+    return tokenizer
 
 
 def train_bpe(texts: Iterator[str], vocab_size: int, out_dir: str | pathlib.Path) -> pathlib.Path:

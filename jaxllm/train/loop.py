@@ -21,6 +21,7 @@ from jaxllm.checkpoint.layout import to_canonical
 from jaxllm.config import validate
 from jaxllm.data.dataset import prepare_data
 from jaxllm.data.loader import eval_batches, train_batches
+from jaxllm.data.tokenizer import save_tokenizer
 from jaxllm.model.generate import generate
 from jaxllm.model.sampling import Sampling
 from jaxllm.parallel.mesh import describe, make_mesh
@@ -48,6 +49,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, progre
     run = build_run(cfg, make_mesh(cfg.parallel))
     _announce(run, progress)
     data = prepare_data(cfg)
+    if jax.process_index() == 0:  # serving and export read it from here
+        save_tokenizer(data.tokenizer, pathlib.Path(workdir) / "tokenizer")
     peak = peak_flops(jax.devices())  # outside the mesh, where a matmul runs on one device
     with jax.set_mesh(run.mesh):
         loop = Loop(run, workdir, data, peak, progress)
