@@ -94,6 +94,14 @@ def base_config() -> ml_collections.ConfigDict:
         eval_every=50,
         eval_batches=4,
     )
+    cfg.serve = dict(
+        slots=8,  # requests decoded together, one KV-cache slot each
+        max_len=placeholder(int),  # tokens a slot holds, prompt and output (None: model.max_seq_len)
+        max_prompt_tokens=8192,
+        dtype=placeholder(str),  # of the params, activations and KV cache (None: model.dtype)
+        tensor=-1,  # devices for tensor parallelism (-1: as many local ones as split the heads evenly)
+        prompt_nll=False,  # report each prompt token's NLL (the LM head over every prompt token)
+    )
     return cfg
 
 
@@ -101,6 +109,21 @@ def with_defaults(saved: dict) -> ml_collections.ConfigDict:
     """A config as a checkpoint or export stored it, with defaults for fields added since."""
     cfg = base_config()
     cfg.update(saved)
+    return cfg
+
+
+def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict) -> ml_collections.ConfigDict:
+    """Sets dotted fields ('serve.slots': 4) on `cfg` and returns it; refuses names it does not have."""
+    for name, value in overrides.items():
+        *parents, field = name.split(".")
+        node = cfg
+        for parent in parents:
+            node = node.get(parent)
+            if node is None:
+                break
+        if node is None or field not in node:
+            raise ConfigError(f"--config.{name}: the config has no such field; see jaxllm/config.py for the fields")
+        node[field] = value
     return cfg
 
 
@@ -227,6 +250,19 @@ def _validate_attention(cfg: ml_collections.ConfigDict, backend: str | None) -> 
         )
 
 
+def _validate_tensor(m: ml_collections.ConfigDict, tensor: int, field_name: str) -> None:
+    for field, value in (
+        ("model.num_heads", m.num_heads),
+        ("model.num_kv_heads", sizes(m).kv_heads),
+        ("model.mlp", m.mlp),
+        ("padded vocab (model.vocab_size rounded up to model.vocab_pad_multiple)", sizes(m).padded_vocab),
+    ):
+        _require(
+            value % tensor == 0,
+            f"{field}={value} is not divisible by {field_name}={tensor}; choose a tensor size that divides {value}",
+        )
+
+
 def validate(cfg: ml_collections.ConfigDict, num_devices: int, backend: str | None = None) -> tuple[int, ...]:
     """Checks the whole config before any work; returns the resolved mesh shape. With `backend`
     (JAX's, e.g. 'gpu'), also whether it can run the chosen kernels."""
@@ -281,16 +317,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, backend: str | No
     )
     shape = mesh_shape(p, num_devices)
     data, fsdp, stage, tensor = shape
-    for field, value in (
-        ("model.num_heads", m.num_heads),
-        ("model.num_kv_heads", kv),
-        ("model.mlp", m.mlp),
-        ("padded vocab (model.vocab_size rounded up to model.vocab_pad_multiple)", sizes(m).padded_vocab),
-    ):
-        _require(
-            value % tensor == 0,
-            f"{field}={value} is not divisible by parallel.tensor={tensor}; choose a tensor size that divides {value}",
-        )
+    _validate_tensor(m, tensor, "parallel.tensor")
     _require(
         m.hidden % fsdp == 0,
         f"model.hidden={m.hidden} is not divisible by parallel.fsdp={fsdp}; choose an fsdp size that divides it",
@@ -313,3 +340,35 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, backend: str | No
         split, why = stage, f"parallel.stage={stage}: the head and loss after a pipeline split it over the stages"
     _require(t.seq_len % split == 0, f"train.seq_len={t.seq_len} is not divisible by {why}; use a multiple of {split}")
     return shape
+
+
+SERVE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def serving_config(cfg: ml_collections.ConfigDict, local_devices: int) -> ml_collections.ConfigDict:
+    """A checkpoint's config made ready to serve: `serve.*` checked and resolved, the model set to
+    compute in the serving dtype with plain XLA attention and no remat, and the mesh a `tensor`
+    axis over local devices (no pipeline: the KV cache needs the plain stack)."""
+    cfg = cfg.copy_and_resolve_references()
+    m, s = cfg.model, cfg.serve
+    s.max_len = s.max_len or m.max_seq_len
+    s.dtype = s.dtype or m.dtype
+    if s.tensor == -1:  # the most local devices that split every tensor-parallel dimension evenly
+        split = (m.num_heads, sizes(m).kv_heads, m.mlp, sizes(m).padded_vocab)
+        s.tensor = max(n for n in range(1, local_devices + 1) if all(dim % n == 0 for dim in split))
+    _require(s.slots >= 1, f"serve.slots={s.slots} must be at least 1")
+    _require(
+        2 <= s.max_len <= m.max_seq_len,
+        f"serve.max_len={s.max_len} must be between 2 and model.max_seq_len={m.max_seq_len} (the longest "
+        "context the model was built for); lower serve.max_len or raise model.max_seq_len",
+    )
+    _require(s.max_prompt_tokens >= 1, f"serve.max_prompt_tokens={s.max_prompt_tokens} must be at least 1")
+    _require(s.dtype in SERVE_DTYPES, f"serve.dtype={s.dtype!r} is unknown; use one of {SERVE_DTYPES}")
+    _require(
+        1 <= s.tensor <= local_devices,
+        f"serve.tensor={s.tensor}: this host has {local_devices} devices; use 1 to {local_devices} (-1: all)",
+    )
+    _validate_tensor(m, s.tensor, "serve.tensor")
+    m.update(dtype=s.dtype, attention="xla", remat="none")
+    cfg.parallel.update(data=1, fsdp=1, stage=1, tensor=s.tensor, microbatches=1, repeats=1, sequence_parallel=False)
+    return cfg

@@ -3,7 +3,7 @@
 import pytest
 from conftest import small_config
 
-from jaxllm.config import ConfigError, base_config, load_config, mesh_shape, validate
+from jaxllm.config import ConfigError, apply_overrides, base_config, load_config, mesh_shape, serving_config, validate
 
 CASES = {
     "layers vs qkv sharing": (
@@ -96,16 +96,9 @@ CASES = {
 }
 
 
-def _apply(cfg, overrides):
-    for dotted, value in overrides.items():
-        section, field = dotted.split(".")
-        cfg[section][field] = value
-    return cfg
-
-
 @pytest.mark.parametrize("overrides,phrases", CASES.values(), ids=CASES.keys())
 def test_bad_config_is_refused_with_field_and_fix(overrides, phrases):
-    cfg = _apply(small_config(), {"parallel.data": 8, **overrides})
+    cfg = apply_overrides(small_config(), {"parallel.data": 8, **overrides})
     with pytest.raises(ConfigError) as err:
         validate(cfg, num_devices=8)
     for phrase in phrases:
@@ -113,7 +106,7 @@ def test_bad_config_is_refused_with_field_and_fix(overrides, phrases):
 
 
 def test_valid_configs_resolve_their_mesh():
-    assert validate(_apply(small_config(), {"parallel.data": -1, "parallel.tensor": 2}), 8) == (4, 1, 1, 2)
+    assert validate(apply_overrides(small_config(), {"parallel.data": -1, "parallel.tensor": 2}), 8) == (4, 1, 1, 2)
     assert mesh_shape(load_config("configs/tiny.py").parallel, 1) == (1, 1, 1, 1)
     for name in ("1b", "8b"):
         validate(load_config(f"configs/{name}.py"), 8)
@@ -130,3 +123,34 @@ def test_120b_layout_is_valid_on_64_devices():
 def test_missing_config_file():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("configs/nope.py")
+
+
+SERVE_CASES = {
+    "no slots": ({"serve.slots": 0}, ["serve.slots=0 must be at least 1"]),
+    "longer than the model": ({"serve.max_len": 65}, ["serve.max_len=65", "model.max_seq_len=64"]),
+    "unknown dtype": ({"serve.dtype": "int4"}, ["serve.dtype='int4' is unknown"]),
+    "more devices than here": ({"serve.tensor": 16}, ["serve.tensor=16: this host has 8 devices"]),
+    "kv heads vs tensor": ({"serve.tensor": 8}, ["model.num_kv_heads=4 is not divisible by serve.tensor=8"]),
+}
+
+
+@pytest.mark.parametrize("overrides,phrases", SERVE_CASES.values(), ids=SERVE_CASES.keys())
+def test_bad_serving_config_is_refused_with_field_and_fix(overrides, phrases):
+    with pytest.raises(ConfigError) as err:
+        serving_config(apply_overrides(small_config(), overrides), local_devices=8)
+    for phrase in phrases:
+        assert phrase in str(err.value), (phrase, str(err.value))
+
+
+def test_serving_config_resolves_its_defaults():
+    trained = apply_overrides(small_config(), {"model.attention": "cudnn", "model.remat": "full", "parallel.stage": 2})
+    cfg = serving_config(trained, local_devices=8)  # 4 kv heads: 4 of the 8 devices split them
+    assert (cfg.serve.max_len, cfg.serve.dtype, cfg.serve.tensor) == (64, "float32", 4)
+    assert (cfg.model.attention, cfg.model.remat) == ("xla", "none")
+    assert [cfg.parallel[a] for a in ("data", "fsdp", "stage", "tensor")] == [1, 1, 1, 4]
+    assert trained.parallel.stage == 2  # the checkpoint's own config is left as it was
+
+
+def test_unknown_override_is_refused():
+    with pytest.raises(ConfigError, match="--config.serve.slot: the config has no such field"):
+        apply_overrides(base_config(), {"serve.slot": 4})

@@ -1,94 +1,214 @@
-"""The serving engine: a request generates the same tokens alone as among seven others that join
-at staggered steps, greedy and sampled, with the model's log-probabilities; the prompt's NLL is
-the model's; prompts go to the right bucket."""
+"""The serving engine, loaded from a checkpoint trained with a 2-stage pipeline onto tensor-parallel
+meshes of 1, 2 and 4 devices: at each of 24 decode steps every request's log-probs equal a full
+recompute on one device; a request generates the same tokens alone as among seven others that join
+at staggered steps, greedy and sampled; the decode step updates its donated cache in place."""
 
+import math
+import re
 from functools import partial
 
+import hlo
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import small_config
+from conftest import checkpoint_params, small_config, stdlib_glob
 
+from jaxllm.data.corpus import read_documents, resolve_inputs
+from jaxllm.data.tokenizer import get_tokenizer, save_tokenizer, train_bpe
 from jaxllm.model.decoder import forward
-from jaxllm.model.sampling import Sampling
-from jaxllm.serve.engine import DecodeState, bucket_for, decode, insert, prefill, prompt_buckets
-from jaxllm.train.step import init_params
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.serve.engine import Request, RequestError
+from jaxllm.serve.load import load_engine
+from jaxllm.serve.steps import bucket_for, prefill, prompt_buckets
+from jaxllm.train.run import batch_sharding, build_run
+from jaxllm.train.step import compile_train_step, init_state
 
-SLOTS, BUCKET, MAX_LEN, NEW = 8, 16, 48, 12
+SLOTS, NEW = 8, 25  # the first token comes from the prefill, then 24 decode steps
 PROMPTS = [3, 10, 5, 16, 1, 12, 7, 4]
+JOINS = {0: [3], 1: [0, 5], 4: [1], 5: [7, 2], 9: [6, 4]}  # decode step → requests submitted before it
+# Long slots, so the cache outweighs the decode step's fixed temporaries, as it does at scale.
+SERVE = {"serve.slots": SLOTS, "model.max_seq_len": 4096, "serve.max_len": 4096, "serve.max_prompt_tokens": 16,
+         "serve.dtype": "float32"}  # fmt: skip
 
 
-def _engine():
-    cfg = small_config()
-    model, params = cfg.model, init_params(cfg)
-    vocab = model.vocab_size
-    steps = {
-        "prefill": jax.jit(partial(prefill, model=model, max_len=MAX_LEN)),
-        "insert": jax.jit(partial(insert, vocab_size=vocab), donate_argnums=1),
-        "decode": jax.jit(partial(decode, model=model, vocab_size=vocab), donate_argnames="state"),
-    }
-    return model, params, steps
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Two steps of a 2-stage pipeline (data 4) with a real BPE, checkpointed as a run does."""
+    workdir = tmp_path_factory.mktemp("run")
+    texts = (text for f in resolve_inputs([stdlib_glob("json")]) for _, text in read_documents(f))
+    tokenizer = get_tokenizer(train_bpe(texts, 300, workdir / "bpe"))
+    save_tokenizer(tokenizer, workdir / "tokenizer")
+    cfg = small_config(vocab_size=300)
+    cfg.parallel.update(stage=2, microbatches=2, data=4)
+    mesh = make_mesh(cfg.parallel)
+    with jax.set_mesh(mesh):
+        run = build_run(cfg, mesh)
+        state, step = init_state(run), compile_train_step(run)
+        for i in range(2):
+            w = np.random.default_rng(i).integers(0, 300, (cfg.train.batch_size, cfg.train.seq_len + 1), np.int32)
+            state, _ = step(state, jax.device_put({"inputs": w[:, :-1], "targets": w[:, 1:]}, batch_sharding(mesh)))
+        checkpoints = run.checkpointer(workdir)
+        checkpoints.save(2, state, {})
+        checkpoints.close()
+    return workdir, cfg.model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def engines(trained):
+    """The engine on `tensor` devices, built once per module (each compiles every step)."""
+    built = {}
+
+    def get(tensor: int):
+        if tensor not in built:
+            # The prompts' NLL on 1 and 4 devices; on 2, the prefill that skips it.
+            built[tensor] = load_engine(trained[0], {**SERVE, "serve.tensor": tensor, "serve.prompt_nll": tensor != 2})
+        return built[tensor]
+
+    return get
 
 
 def _requests(vocab):
+    """Greedy and sampled (top-k, top-p) requests of different lengths, each with its own seed."""
     rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, vocab, n).tolist() for n in PROMPTS]
-    settings = [Sampling.one(temperature=0.0 if r % 2 else 0.9, top_k=20 * (r % 3), seed=100 + r) for r in range(SLOTS)]
-    return prompts, settings
+    return [
+        Request(
+            rng.integers(0, vocab, n).tolist(), NEW, temperature=0.0 if r % 2 else 0.9, top_k=20 * (r % 3),
+            top_p=0.9 if r % 4 == 2 else 1.0, seed=100 + r, ignore_eos=True, logprobs=20,
+        )
+        for r, n in enumerate(PROMPTS)
+    ]  # fmt: skip
 
 
-def _run(params, steps, model, prompts, settings, joins: dict[int, list[int]]) -> dict[int, list[int]]:
-    """Requests join at the decode steps given (step → request ids), each into the next free slot."""
-    state, out, slot_of, logprobs = DecodeState.empty(model, SLOTS, MAX_LEN), {}, {}, {}
-    for step in range(max(joins) + NEW):
+def _run(engine, requests, joins):
+    generations, step = {}, 0
+    while step <= max(joins) or engine.busy():
         for r in joins.get(step, []):
-            padded = jnp.asarray(prompts[r] + [0] * (BUCKET - len(prompts[r])), jnp.int32)
-            prefix = steps["prefill"](params, tokens=padded, length=jnp.asarray(len(prompts[r])))
-            slot = len(slot_of)
-            state, first = steps["insert"](prefix, state, jnp.asarray(slot), settings[r])
-            slot_of[r], out[r], logprobs[r] = slot, [int(first.ids[0])], [_row(first, 0)]
-        state, tokens = steps["decode"](params, state=state)
-        for r, slot in slot_of.items():
-            if len(out[r]) < NEW:
-                out[r].append(int(tokens.ids[slot]))
-                logprobs[r].append(_row(tokens, slot))
-    return out, logprobs
+            generations[r] = engine.submit(requests[r])
+        engine.step()
+        step += 1
+    return generations
 
 
-def _row(tokens, slot):
-    """(chosen log-prob, top ids, top log-probs) of one slot."""
-    return float(tokens.logprobs[slot]), np.asarray(tokens.top_ids[slot]), np.asarray(tokens.top_logprobs[slot])
+@pytest.mark.parametrize("tensor", [1, 2, 4])
+def test_engine_matches_full_recompute_and_is_independent_of_neighbours(trained, engines, tensor):
+    workdir, model, tokenizer = trained
+    engine = engines(tensor)
+    assert engine.mesh.shape["tensor"] == tensor and engine.buckets == [16]
+    requests = _requests(tokenizer.vocab_size)
+    generations = _run(engine, requests, JOINS)
+    together = {r: g.choices()[0] for r, g in generations.items()}
 
+    # The reference: every request's whole sequence in one uncached pass on one device.
+    params = checkpoint_params(workdir, 2)
+    buffer = np.zeros((SLOTS, 48), np.int32)  # causal: what follows a sequence cannot matter
+    for r, choice in together.items():
+        seq = requests[r].prompt + choice.tokens
+        buffer[r, : len(seq)] = seq
+    want = np.asarray(jax.nn.log_softmax(jax.jit(lambda p, t: forward(p, t, model))(params, buffer)[..., :300], -1))
+    for r, choice in together.items():
+        assert len(choice.tokens) == NEW and choice.finish_reason == "length"
+        start = len(requests[r].prompt) - 1
+        for i, logprob in enumerate(choice.logprobs):  # raw model log-probs at each step
+            row = want[r, start + i]
+            np.testing.assert_allclose(logprob.logprob, row[choice.tokens[i]], rtol=1e-4, atol=1e-4)
+            top_ids, top_logprobs = zip(*logprob.top, strict=True)
+            np.testing.assert_allclose(top_logprobs, row[list(top_ids)], rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(top_logprobs, np.sort(row)[::-1][:20], rtol=1e-4, atol=1e-4)
+            if requests[r].temperature == 0:
+                assert choice.tokens[i] == int(np.argmax(row)), (r, i)
+        assert choice.text == tokenizer.decode(choice.tokens)
+        prompt = requests[r].prompt  # and each prompt token's NLL, as the server reports it
+        if tensor == 2:
+            assert generations[r].prompt_nll is None
+        else:
+            nll = [0.0] + [-want[r, j - 1, prompt[j]] for j in range(1, len(prompt))]
+            np.testing.assert_allclose(generations[r].prompt_nll, nll, rtol=1e-4, atol=1e-4)
 
-def test_a_request_generates_the_same_alone_or_among_others():
-    model, params, steps = _engine()
-    prompts, settings = _requests(model.vocab_size)
-    joins = {0: [3], 1: [0, 5], 4: [1], 5: [7, 2], 9: [6, 4]}
-    together, logprobs = _run(params, steps, model, prompts, settings, joins)
     for r in range(SLOTS):
-        alone, _ = _run(params, steps, model, prompts, settings, {0: [r]})
-        assert alone[r] == together[r], r
-    for r in (1, 2):  # greedy (each token the model's argmax) and sampled at temperature 0.9, top-k 40
-        seq = prompts[r] + together[r]
-        want = jax.nn.log_softmax(forward(params, jnp.asarray([seq]), model)[0, len(prompts[r]) - 1 : -1], -1)
-        if r == 1:
-            assert np.argmax(want, -1).tolist() == together[r]
-        for i, (chosen, top_ids, top_logprobs) in enumerate(logprobs[r]):  # raw model log-probs
-            np.testing.assert_allclose(chosen, want[i, together[r][i]], rtol=1e-4, atol=1e-4)
-            np.testing.assert_array_equal(top_ids, np.argsort(-np.asarray(want[i]), kind="stable")[:20])
-            np.testing.assert_allclose(top_logprobs, want[i, top_ids], rtol=1e-4, atol=1e-4)
+        alone = _run(engine, requests, {0: [r]})[r].choices()[0]
+        assert alone.tokens == together[r].tokens, r
 
 
-def test_prefill_reports_each_prompt_tokens_nll():
-    model, params, steps = _engine()
-    prompt = _requests(model.vocab_size)[0][1]
-    padded = jnp.asarray(prompt + [0] * (BUCKET - len(prompt)), jnp.int32)
-    prefix = steps["prefill"](params, tokens=padded, length=jnp.asarray(len(prompt)))
-    log_probs = jax.nn.log_softmax(forward(params, jnp.asarray([prompt]), model)[0], -1)
-    want = [0.0] + [-float(log_probs[j - 1, prompt[j]]) for j in range(1, len(prompt))]
-    np.testing.assert_allclose(prefix.nll[: len(prompt)], want, rtol=1e-5, atol=1e-5)
-    assert np.all(np.asarray(prefix.nll[len(prompt) :]) == 0)
+def test_n_choices_share_one_prefill_and_differ_by_choice(trained, engines):
+    engine, tokenizer = engines(1), trained[2]
+    prompt = tokenizer.encode('{"key": ')
+    both = engine.generate([Request(prompt, 12, temperature=1.0, seed=7, n=3, ignore_eos=True)])[0].choices()
+    assert len({tuple(c.tokens) for c in both}) == 3  # each choice draws its own tokens
+    for n, choice in enumerate(both):  # ... the same as when asked for alone
+        alone = engine.generate([Request(prompt, 12, temperature=1.0, seed=7, n=n + 1, ignore_eos=True)])[0]
+        assert alone.choices()[n].tokens == choice.tokens
+
+
+def test_requests_run_without_compiling(trained, engines):
+    """Every step was compiled at start-up: serving prompts of every bucket, sampled, with stops,
+    log-probs and n choices compiles nothing."""
+    engine, tokenizer = engines(1), trained[2]
+    events = []
+
+    def record(event, duration, **_):
+        if event.startswith("/jax/core/compile"):
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(record)
+    try:
+        requests = [
+            Request(tokenizer.encode("{"), 6, temperature=0.0),
+            Request([5] * 16, 6, temperature=0.8, top_k=5, top_p=0.9, seed=3, n=2, stop=("}",), logprobs=3),
+        ]
+        assert all(g.choices() for g in engine.generate(requests))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(record)
+    assert events == []
+
+
+def test_decode_step_updates_the_donated_cache_in_place(engines):
+    """The compiled decode step on tensor 2 aliases the cache to its output, needs less than half
+    the cache's bytes of temporaries (a copy of it would need all), and gathers no weights: its one
+    all-gather is of the vocab-split logits, for sampling."""
+    engine = engines(2)
+    per_device = 2 * engine.state.cache.keys.addressable_shards[0].data.nbytes
+    memory = engine.decode_step.memory_analysis()
+    assert memory.alias_size_in_bytes >= per_device
+    assert memory.temp_size_in_bytes < per_device / 2, (memory.temp_size_in_bytes, per_device)
+    gathers = [
+        re.search(r"= (\w+)\[([\d,]+)\]", line).groups()
+        for _, line in hlo.ops(engine.decode_step.as_text(), "all-gather")
+    ]
+    assert [(dtype, math.prod(map(int, dims.split(",")))) for dtype, dims in gathers] == [("f32", SLOTS * 384)]
+
+
+def test_requests_beyond_the_limits_are_refused_with_the_limit(engines):
+    engine = engines(1)
+    for request, message in [
+        (Request([]), "the prompt is empty"),
+        (Request([1] * 17), "the prompt has 17 tokens; this server takes at most 16"),
+        (
+            Request([1] * 16, max_tokens=4081),
+            "exceed the 4096 tokens a slot holds .serve.max_len.; ask for at most 4080",
+        ),
+        (Request([1], n=9), "n=9 must be between 1 and the 8 slots"),
+        (Request([300]), r"prompt token ids must be in \[0, 300\)"),
+        (Request([1], top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
+        (Request([1], stop=("a", "b", "c", "d", "e")), "5 stop strings given; at most 4"),
+        (Request([1], logprobs=21), "logprobs=21 must be between 0 and 20"),
+    ]:
+        with pytest.raises(RequestError, match=message):
+            engine.submit(request)
+    assert not engine.busy()  # nothing refused was queued
+
+
+def test_prefill_without_nll_runs_the_head_once_with_the_same_result(trained):
+    workdir, model, _ = trained
+    params, tokens, length = checkpoint_params(workdir, 2), jnp.arange(16, dtype=jnp.int32) + 7, jnp.int32(11)
+    runs = {
+        nll: jax.jit(partial(prefill, model=model, nll=nll)).lower(params, tokens, length).compile() for nll in (0, 1)
+    }
+    flops = {nll: run.cost_analysis()["flops"] for nll, run in runs.items()}
+    assert flops[1] - flops[0] >= 15 * 2 * model.hidden * 384  # the head on 15 more positions
+    without, full = (runs[nll](params, tokens, length) for nll in (0, 1))
+    np.testing.assert_allclose(without.logits, full.logits, rtol=1e-5, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), without.cache, full.cache)
 
 
 def test_prompt_buckets_are_powers_of_two_up_to_the_limit():

@@ -73,3 +73,20 @@ def test_limits_are_refused_clearly():
     stream.push(TOKENIZER.encode("x")[0])
     with pytest.raises(ValueError, match="finished"):
         stream.push(1)
+
+
+def test_each_token_decodes_a_few_tokens_not_the_whole_output():
+    class Counting:  # the real tokenizer, recording how many ids each decode is given
+        def __init__(self):
+            self.eos_id, self.lengths = TOKENIZER.eos_id, []
+
+        def decode(self, ids):
+            self.lengths.append(len(ids))
+            return TOKENIZER.decode(ids)
+
+    text = "naïve café 😀 " * 90
+    tokens, counting = TOKENIZER.encode(text), Counting()
+    stream = TextStream(counting, max_tokens=len(tokens), stop=["never"])
+    shown = "".join(stream.push(t) for t in tokens)
+    assert shown == text and len(tokens) > 300
+    assert max(counting.lengths) <= 4, max(counting.lengths)

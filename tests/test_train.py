@@ -1,6 +1,8 @@
 """Training: accumulation and remat change nothing numerically; the CLI trains end to end."""
 
+import pathlib
 import re
+import sys
 
 import chex
 import jax
@@ -11,6 +13,8 @@ import pytest
 from conftest import metrics, run, small_config, train_command
 
 from jaxllm.config import REMAT_POLICIES
+from jaxllm.data.tokenizer import load_saved_tokenizer
+from jaxllm.export import export
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.train.faults import NonFiniteSteps
 from jaxllm.train.run import batch_sharding, build_run
@@ -109,6 +113,31 @@ def test_cli_trains_logs_and_samples(cli_run):
     assert any("val=" in line for line in shown), "the bar should show the validation loss once there is one"
     events = list((workdir / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
+
+
+def test_cli_run_is_served_with_its_own_tokenizer(cli_run, tmp_path):
+    """The run saved its tokenizer; serving and an export use it, and refuse another one."""
+    workdir = cli_run[2]
+    serve = [sys.executable, "-m", "jaxllm.serve", "--prompt", "def ", "--prompt", "import", "--max-tokens", "8",
+             "--config.serve.max_len=64", "--config.serve.slots=2"]  # fmt: skip
+    out = run([*serve, "--workdir", str(workdir), "--config.serve.tensor=2"]).stdout
+    assert "tensor parallel over 2" in out
+    assert re.search(r"--- 'def ' \((length|stop), \d+ tokens\)\ndef ", out), out
+    assert "--- 'import' (" in out
+    export(workdir, tmp_path / "export")
+    assert load_saved_tokenizer(tmp_path / "export" / "tokenizer").fingerprint == (
+        load_saved_tokenizer(workdir / "tokenizer").fingerprint
+    )
+    refused = run([*serve, "--checkpoint", str(tmp_path / "export"), "--tokenizer", "gpt2"], check=False)
+    assert refused.returncode == 1 and "that the model was trained with" in refused.stderr, refused.stderr
+
+
+def test_readme_serving_snippet_runs_as_written(cli_run, capsys):
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    snippet = re.search(r"<!-- serve-snippet -->\n```python\n(.*?)```", readme, re.S).group(1)
+    exec(compile(snippet.replace('"runs/tiny"', repr(str(cli_run[2]))), "README.md (serving)", "exec"), {})
+    lines = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert len(lines) == 2 and all(line.split()[0] in ("stop", "length") for line in lines), lines
 
 
 def test_cli_is_deterministic_across_layouts(cli_run):

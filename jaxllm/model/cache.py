@@ -1,7 +1,8 @@
 """The KV cache of a decoder generating for `slots` sequences at once. Layers of a group share
 their QKV weights but apply them to different inputs, so each layer has its own keys and values:
-[groups, qkv_share_every, slots, max_len, kv_heads, head_dim] each. The decoder carries the cache
-through its scan over groups and writes only the new positions, so a caller that donates it
+[groups, qkv_share_every, slots, kv_heads, max_len, head_dim] each (kv heads before positions,
+so attention's matmuls read a layer's slice without transposing it). The decoder carries the cache
+through its scan over the layers and writes only the new positions, so a caller that donates it
 updates it in place."""
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import ml_collections
 
 from jaxllm.config import sizes
 
-AXES = ("layers", "sublayers", "batch", None, "kv_heads", "head_dim")  # logical axes of keys and values
-LAYER_AXES = AXES[2:]  # one layer's: [slots, max_len, kv_heads, head_dim]
+AXES = ("layers", "sublayers", "batch", "kv_heads", None, "head_dim")  # logical axes of keys and values
+LAYER_AXES = AXES[2:]  # one layer's: [slots, kv_heads, max_len, head_dim]
 
 
 class KVCache(NamedTuple):
@@ -26,28 +27,33 @@ class KVCache(NamedTuple):
     def empty(cls, model: ml_collections.ConfigDict, slots: int, max_len: int, dtype=None) -> KVCache:
         """Zeros in `dtype` (default: the model's compute dtype)."""
         s = sizes(model)
-        shape = (s.groups, model.qkv_share_every, slots, max_len, s.kv_heads, s.head_dim)
+        shape = (s.groups, model.qkv_share_every, slots, s.kv_heads, max_len, s.head_dim)
         return cls(jnp.zeros(shape, dtype or model.dtype), jnp.zeros(shape, dtype or model.dtype))
 
+    @property
+    def max_len(self) -> int:
+        return self.keys.shape[4]
+
     def layer(self, group: jax.Array, index: int) -> tuple[jax.Array, jax.Array]:
-        """One layer's keys and values: [slots, max_len, kv_heads, head_dim] each."""
+        """One layer's keys and values: [slots, kv_heads, max_len, head_dim] each."""
         return self.keys[group, index], self.values[group, index]
 
     def store(self, group: jax.Array, index: int, keys: jax.Array, values: jax.Array, positions: jax.Array):
-        """The cache with one layer's new keys and values [slots, t, ...] written at `positions`
-        [slots, t] (consecutive per row): a scatter of those entries alone, batched over the
+        """The cache with one layer's new keys and values [slots, t, kv_heads, head_dim] written at
+        `positions` [slots, t] (consecutive per row): a scatter of those entries alone, batched over the
         slots so each row is written where it lives, never a rewrite of the layer's slice."""
         starts = positions[:, :1]
         where = jnp.concatenate([jnp.full_like(starts, group), jnp.full_like(starts, index), starts], axis=1)
         dims = jax.lax.ScatterDimensionNumbers(
-            update_window_dims=(1, 2, 3),  # [t, kv_heads, head_dim] of each slot's update
+            update_window_dims=(1, 2, 3),  # [kv_heads, t, head_dim] of each slot's update
             inserted_window_dims=(0, 1),  # group, layer
-            scatter_dims_to_operand_dims=(0, 1, 3),  # (group, layer, position)
+            scatter_dims_to_operand_dims=(0, 1, 4),  # (group, layer, position)
             operand_batching_dims=(2,),  # slots
             scatter_indices_batching_dims=(0,),
         )
 
         def write(cache, new):
-            return jax.lax.scatter(cache, where, new.astype(cache.dtype), dims, indices_are_sorted=True)
+            new = new.swapaxes(1, 2).astype(cache.dtype)  # [slots, kv_heads, t, head_dim]
+            return jax.lax.scatter(cache, where, new, dims, indices_are_sorted=True)
 
         return KVCache(write(self.keys, keys), write(self.values, values))

@@ -75,40 +75,43 @@ class LayerGroup(nnx.Module):
         self.qkv = Attention(model, stack)
         self.layers = DecoderLayer(model, ((*lead, self.size), (*lead_axes, "sublayers")))
 
-    def __call__(self, x: jax.Array, ctx: layers.Context, cache: KVCache | None = None, group=None):
-        """One group: its QKV unstacked, its layers stacked on the leading dim. With the decoder's
-        `cache` and this group's index, (output, cache with the group's new keys and values)."""
-        wrap_layer, _ = _remat_wrappers(self.remat if cache is None else "none")
+    def __call__(self, x: jax.Array, ctx: layers.Context) -> jax.Array:
+        """One group: its QKV unstacked, its layers stacked on the leading dim."""
+        wrap_layer, _ = _remat_wrappers(self.remat)
         qkv_graph, layer_graph = nnx.graphdef(self.qkv), nnx.graphdef(self.layers)
 
         @wrap_layer
-        def layer(x, qkv: Params, params: Params, ctx, cached):
-            return nnx.merge(layer_graph, params)(x, nnx.merge(qkv_graph, qkv), ctx, cached)
+        def layer(x, qkv: Params, params: Params, ctx):
+            return nnx.merge(layer_graph, params)(x, nnx.merge(qkv_graph, qkv), ctx)
 
         qkv, stacked = params_of(self.qkv), params_of(self.layers)
         for i in range(self.size):
-            params = jax.tree.map(lambda a, i=i: a[i], stacked)
-            if cache is None:
-                x = layer(x, qkv, params, ctx, None)
-            else:
-                x, (keys, values) = layer(x, qkv, params, ctx, cache.layer(group, i))
-                cache = cache.store(group, i, keys, values, ctx.positions)
-        return x if cache is None else (x, cache)
+            x = layer(x, qkv, jax.tree.map(lambda a, i=i: a[i], stacked), ctx)
+        return x
 
 
-def scan_groups(
-    graph: nnx.GraphDef, remat: str, groups: Params, x: jax.Array, ctx: layers.Context, cache: KVCache | None = None
-):
-    """Applies stacked groups (a `LayerGroup` graph, params with a leading group dim) in order;
-    with a `cache`, carries it through the scan and returns (output, cache)."""
-    if cache is not None:
+def scan_layers(graph: nnx.GraphDef, groups: Params, x: jax.Array, ctx: layers.Context, cache: KVCache):
+    """Applies stacked groups with a KV cache (generation) as one scan over every layer, carrying
+    the cache: (output, cache). Each step reads its layer's weights where they lie; a slice of a
+    group's stack, as training takes, would copy them at every memory-bound decode step."""
+    stacked = nnx.merge(graph, groups)  # a LayerGroup whose arrays keep their leading group dim
+    qkv_graph, layer_graph = nnx.graphdef(stacked.qkv), nnx.graphdef(stacked.layers)
+    qkv, share = params_of(stacked.qkv), stacked.size
+    every_layer = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), params_of(stacked.layers))
 
-        def step(carry, xs):
-            (x, cache), (params, group) = carry, xs
-            return nnx.merge(graph, params)(x, ctx, cache, group), None
+    def step(carry, xs):
+        (x, cache), (params, index) = carry, xs
+        group, i = index // share, index % share
+        attention = nnx.merge(qkv_graph, jax.tree.map(lambda a: a[group], qkv))
+        x, (keys, values) = nnx.merge(layer_graph, params)(x, attention, ctx, cache.layer(group, i))
+        return (x, cache.store(group, i, keys, values, ctx.positions)), None
 
-        count = jax.tree.leaves(groups)[0].shape[0]
-        return jax.lax.scan(step, (x, cache), (groups, jnp.arange(count)))[0]
+    count = jax.tree.leaves(every_layer)[0].shape[0]
+    return jax.lax.scan(step, (x, cache), (every_layer, jnp.arange(count)))[0]
+
+
+def scan_groups(graph: nnx.GraphDef, remat: str, groups: Params, x: jax.Array, ctx: layers.Context) -> jax.Array:
+    """Applies stacked groups (a `LayerGroup` graph, params with a leading group dim) in order."""
     _, wrap_group = _remat_wrappers(remat)
     body = wrap_group(lambda x, params, ctx: nnx.merge(graph, params)(x, ctx))
     x, _ = jax.lax.scan(lambda carry, params: (body(carry, params, ctx), None), x, groups)
@@ -152,9 +155,11 @@ class Decoder(nnx.Module):
         positions: jax.Array | None = None,
         copies: Params | None = None,
         cache: KVCache | None = None,
+        logits_at: jax.Array | None = None,
     ):
         """fp32 logits [batch, seq, padded_vocab]; padded vocab entries are masked to NEG_INF. A
-        pipelined decoder computes with `copies` (see `stage_copies`), or gathers its own.
+        pipelined decoder computes with `copies` (see `stage_copies`), or gathers its own. With
+        `logits_at` [batch], only the logits at that index of each row: [batch, 1, padded_vocab].
 
         With a `cache` (one row per batch row), the tokens sit at `positions` (consecutive per
         row; 0, 1, ... by default) after what the cache holds: their keys and values are written
@@ -171,6 +176,8 @@ class Decoder(nnx.Module):
             x, cache = self._stack(x, ctx, copies, cache)
         else:
             x = self._stack(x, ctx, copies)
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
         x = self.final_norm(x)
         head = self.embed.get_value().T if model.tie_embeddings else self.lm_head.get_value()
         logits = jnp.einsum("bte,ev->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
@@ -180,11 +187,13 @@ class Decoder(nnx.Module):
 
     def _stack(self, x: jax.Array, ctx: layers.Context, copies: Params | None, cache: KVCache | None = None):
         graph, groups = nnx.graphdef(self.groups), params_of(self.groups)
+        if cache is not None:
+            if self.schedule is not None:
+                raise ValueError("a KV cache needs the plain stack: load the params without a pipeline schedule")
+            return scan_layers(graph, groups, x, ctx, cache)
         run = partial(scan_groups, graph, self.model.remat)
         if self.schedule is None:
-            return run(groups, x, ctx, cache)
-        if cache is not None:
-            raise ValueError("a KV cache needs the plain stack: load the params without a pipeline schedule")
+            return run(groups, x, ctx)
         specs = specs_of(self.groups)
         if copies is None:
             copies = gather_stage_weights(groups, specs, jnp.dtype(self.model.dtype))
@@ -240,8 +249,10 @@ def forward(
     schedule: Schedule | None = None,
     copies: Params | None = None,
     cache: KVCache | None = None,
+    logits_at: jax.Array | None = None,
 ):
     """The decoder on a plain params dict (the train state's). With a pipeline `schedule`, params
     hold the groups in its view (see `Decoder`), and `copies` may hold their `stage_copies`. With
-    a `cache`, (logits, cache) (see `Decoder.__call__`)."""
-    return Decoder.from_params(model, params, schedule)(tokens, segment_ids, positions, copies, cache)
+    a `cache`, (logits, cache); `logits_at` limits the logits (see `Decoder.__call__`)."""
+    decoder = Decoder.from_params(model, params, schedule)
+    return decoder(tokens, segment_ids, positions, copies, cache, logits_at)

@@ -79,7 +79,7 @@ def document_mask(segment_ids: jax.Array | None, length: int) -> jax.Array:
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention as einsums under an explicit mask, so keys may come from a cache.
+    """Grouped-query attention as einsums under an explicit mask (keys of any length).
     q: [b, t, heads, d]; k, v: [b, s, kv_heads, d]; mask: [b, 1, t, s]. Softmax in fp32."""
     b, t, nh, d = q.shape
     kv = k.shape[2]
@@ -154,9 +154,11 @@ def attention(
     return jnp.einsum("bthd,hde->bte", ctx, o_proj.astype(x.dtype))
 
 
-def write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-    """`cache` [b, S, ...] with row r's `new` [b, t, ...] written at positions start[r]..start[r]+t-1."""
-    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), s, 0))(cache, new, start)
+def _write_positions(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """A layer's `cache` [b, kv_heads, S, d] with row r's `new` [b, t, kv_heads, d] written at
+    positions start[r]..start[r]+t-1."""
+    write = partial(jax.lax.dynamic_update_slice_in_dim, axis=1)
+    return jax.vmap(lambda c, n, s: write(c, n.swapaxes(0, 1).astype(c.dtype), s))(cache, new, start)
 
 
 def cached_attention(
@@ -169,19 +171,24 @@ def cached_attention(
     positions: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attention of new tokens at `positions` [b, t] (consecutive per row) over a layer's cached
-    keys and values [b, max_len, kv_heads, d] with theirs written in: (output, their keys, their
-    values), the last two for the caller to store."""
+    keys and values [b, kv_heads, max_len, d] (that order lets both matmuls read them without a
+    transpose) with theirs written in: (output, their keys, their values), the last two for the
+    caller to store."""
     q, k, v = _project_qkv(x, qkv, rope)
-    keys, values = write_rows(keys, k, positions[:, 0]), write_rows(values, v, positions[:, 0])
-    index = jnp.arange(keys.shape[1])[None]
-    one_document = jnp.ones_like(index)
-    mask = attention_mask(positions, index, jnp.ones_like(positions), one_document)
-    ctx = attend(q, keys.astype(q.dtype), values.astype(q.dtype), mask)
+    keys, values = _write_positions(keys, k, positions[:, 0]), _write_positions(values, v, positions[:, 0])
+    b, t, heads, d = q.shape
+    kv, length = keys.shape[1], keys.shape[2]
+    q = q.reshape(b, t, kv, heads // kv, d)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, keys.astype(q.dtype), preferred_element_type=jnp.float32)
+    causal = jnp.arange(length)[None, None] <= positions[:, :, None]  # [b, t, max_len]
+    scores = jnp.where(causal[:, None, None], scores / jnp.sqrt(d), NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    ctx = jnp.einsum("bkgts,bksd->btkgd", probs, values.astype(v.dtype)).reshape(b, t, heads, d)
+    out = jnp.einsum("bthd,hde->bte", ctx, o_proj.astype(x.dtype))
     # The new entries are handed back as read from the updated slice, not as projected: the
     # caller's write into the whole cache then depends on this read of it, so the compiler can
     # write in place instead of copying the cache to keep the read safe.
-    written = jax.vmap(lambda c, p: c[p])
-    out = jnp.einsum("bthd,hde->bte", ctx, o_proj.astype(x.dtype))
+    written = jax.vmap(lambda c, p: c[:, p].swapaxes(0, 1))  # [kv, t, d] → [t, kv, d]
     return out, written(keys, positions), written(values, positions)
 
 

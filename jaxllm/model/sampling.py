@@ -51,14 +51,30 @@ def allowed(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     return logits >= jnp.maximum(kth, ordered[last])
 
 
+def first_argmax(logits: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis (the first of equal maxima) as two plain reductions: XLA:CPU
+    runs argmax's paired (value, index) reduction several times slower over a large vocab."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    index = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(logits == top, index, logits.shape[-1]), axis=-1)
+
+
 def sample(logits: jax.Array, sampling: Sampling, token_index: jax.Array, vocab_size: int) -> jax.Array:
-    """[slots] int32 tokens from [slots, vocab] logits (any padding past `vocab_size` is never drawn)."""
+    """[slots] int32 tokens from [slots, vocab] logits (any padding past `vocab_size` is never drawn).
+    Work no slot needs is skipped: the draw when all are greedy, the sort when none cuts top-k/p."""
     logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits.astype(jnp.float32), -jnp.inf)
+    greedy = first_argmax(logits)
 
-    def one(logits, temperature, top_k, top_p, seed, choice, index):
-        scaled = logits / jnp.maximum(temperature, 1e-6)
-        masked = jnp.where(allowed(scaled, top_k, top_p), scaled, -jnp.inf)
-        drawn = jax.random.categorical(draw_key(seed, choice, index), masked)
-        return jnp.where(temperature > 0, drawn, jnp.argmax(logits)).astype(jnp.int32)
+    def draw(cut: bool):
+        def one(logits, temperature, top_k, top_p, seed, choice, index):
+            scaled = logits / jnp.maximum(temperature, 1e-6)
+            if cut:
+                scaled = jnp.where(allowed(scaled, top_k, top_p), scaled, -jnp.inf)
+            return jax.random.categorical(draw_key(seed, choice, index), scaled).astype(jnp.int32)
 
-    return jax.vmap(one)(logits, *sampling, token_index)
+        return lambda: jnp.where(sampling.temperature > 0, jax.vmap(one)(logits, *sampling, token_index), greedy)
+
+    sampled = sampling.temperature > 0
+    cuts = jnp.any(sampled & ((sampling.top_k > 0) | (sampling.top_p < 1)))
+    which = jnp.where(jnp.any(sampled), 1 + cuts.astype(jnp.int32), 0)
+    return jax.lax.switch(which, [lambda: greedy, draw(cut=False), draw(cut=True)])

@@ -1,19 +1,21 @@
-"""The serving engine's device side: continuous batching over a fixed number of slots.
+"""The serving engine's device steps: continuous batching over a fixed number of slots.
 
-A request's prompt is prefilled alone into a one-slot cache (`prefill`, at a bucketed length, so
-a few compiles cover every prompt), inserted into a free slot of the decode state (`insert`), and
-then every active slot advances by one token per `decode` step, all slots in one jitted call.
-Requests join and leave between steps; a slot's tokens depend only on its request (see
-`sampling`), never on which slots are busy.
+A request's prompt is prefilled alone into a one-slot cache of its bucket's length (`prefill`:
+prompts are padded to a few bucket lengths, so a few compiles cover them all), inserted into a
+free slot of the decode state (`insert`), and then every active slot advances by one token per
+`decode` step, all slots in one jitted call. Requests join and leave between steps; a slot's
+tokens depend only on its request (see `sampling`), never on which slots are busy.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import ml_collections
+from jax.sharding import PartitionSpec as P
 
 from jaxllm.model.cache import KVCache
 from jaxllm.model.decoder import forward
@@ -39,7 +41,7 @@ def bucket_for(length: int, buckets: list[int]) -> int:
 
 class Tokens(NamedTuple):
     """What a step produced, per slot, with the model's raw log-probabilities (before
-    temperature, top-k and top-p)."""
+    temperature, top-k and top-p) when asked for (zeros otherwise)."""
 
     ids: jax.Array
     logprobs: jax.Array  # of each chosen token
@@ -60,7 +62,7 @@ class Prefix(NamedTuple):
     cache: KVCache  # one slot's keys and values
     logits: jax.Array  # [padded vocab] fp32 after the prompt's last token
     length: jax.Array  # the prompt's true length
-    nll: jax.Array  # [bucket] each prompt token's negative log-likelihood (0 for the first and past the end)
+    nll: jax.Array  # [bucket] each prompt token's NLL (0 for the first, past the end, and if not asked for)
 
 
 class DecodeState(NamedTuple):
@@ -81,9 +83,15 @@ class DecodeState(NamedTuple):
         return cls(KVCache.empty(model, slots, max_len, dtype), zeros(), zeros(), zeros(), sampling)
 
 
-def prefill(params: dict, model: ml_collections.ConfigDict, tokens: jax.Array, length: jax.Array, max_len: int):
-    """`tokens` [bucket] (the prompt, then padding) of which the first `length` count."""
-    empty = KVCache.empty(model, 1, max_len)
+def prefill(
+    params: dict, tokens: jax.Array, length: jax.Array, *, model: ml_collections.ConfigDict, nll: bool
+) -> Prefix:
+    """`tokens` [bucket] (the prompt, then padding) of which the first `length` count. With `nll`,
+    also each prompt token's NLL, which costs the LM head over the whole prompt instead of once."""
+    empty = KVCache.empty(model, 1, tokens.shape[0])
+    if not nll:
+        logits, cache = forward(params, tokens[None], model, cache=empty, logits_at=(length - 1)[None])
+        return Prefix(cache, logits[0, 0], length, jnp.zeros(tokens.shape[0]))
     logits, cache = forward(params, tokens[None], model, cache=empty)
     log_probs = jax.nn.log_softmax(logits[0, :-1], axis=-1)
     nll = -jnp.take_along_axis(log_probs, tokens[1:, None], axis=-1)[:, 0]
@@ -91,13 +99,15 @@ def prefill(params: dict, model: ml_collections.ConfigDict, tokens: jax.Array, l
     return Prefix(cache, logits[0, length - 1], length, jnp.concatenate([jnp.zeros(1), nll]))
 
 
-def insert(prefix: Prefix, state: DecodeState, slot: jax.Array, sampling: Sampling, vocab_size: int):
+def insert(prefix: Prefix, state: DecodeState, slot: jax.Array, sampling: Sampling, *, vocab_size: int):
     """The state with `prefix` in `slot`, decoding with `sampling` (one slot's settings); returns
-    (state, the request's first token as `Tokens` of one slot)."""
+    (state, the request's first token as `Tokens` of one slot). The slot's cache past the prompt
+    keeps an earlier request's entries: decoding never attends past its own position."""
     first = sample(prefix.logits[None], sampling, jnp.zeros(1, jnp.int32), vocab_size)
 
     def put(all_slots, one):
-        return jax.lax.dynamic_update_slice_in_dim(all_slots, one.astype(all_slots.dtype), slot, axis=2)
+        start = (0, 0, slot, 0, 0, 0)
+        return jax.lax.dynamic_update_slice(all_slots, one.astype(all_slots.dtype), start)
 
     cache = KVCache(put(state.cache.keys, prefix.cache.keys), put(state.cache.values, prefix.cache.values))
     state = DecodeState(
@@ -110,12 +120,20 @@ def insert(prefix: Prefix, state: DecodeState, slot: jax.Array, sampling: Sampli
     return state, _tokens(prefix.logits[None], first, vocab_size)
 
 
-def decode(params: dict, model: ml_collections.ConfigDict, state: DecodeState, vocab_size: int):
-    """One step for every slot: (state, each slot's next token as `Tokens`). Idle slots compute
+def decode(params: dict, state: DecodeState, logprobs: jax.Array, *, model: ml_collections.ConfigDict, vocab_size: int):
+    """One step for every slot: (state, each slot's next token as `Tokens`, with log-probs if
+    `logprobs`, a bool: their top-k over the vocab costs as much as sampling). Idle slots compute
     too; their positions stop at the cache's end."""
-    max_len = state.cache.keys.shape[3]
-    positions = jnp.minimum(state.positions, max_len - 1)
+    positions = jnp.minimum(state.positions, state.cache.max_len - 1)
     logits, cache = forward(params, state.tokens[:, None], model, positions=positions[:, None], cache=state.cache)
-    tokens = sample(logits[:, -1], state.sampling, state.generated, vocab_size)
+    # One gather of the vocab-split logits, so sampling and log-probs run whole on each device.
+    logits = jax.lax.with_sharding_constraint(logits[:, -1], P())
+    tokens = sample(logits, state.sampling, state.generated, vocab_size)
     state = DecodeState(cache, tokens, positions + 1, state.generated + 1, state.sampling)
-    return state, _tokens(logits[:, -1], tokens, vocab_size)
+
+    def without(logits, tokens):
+        zeros = jnp.zeros(tokens.shape, jnp.float32)
+        top = jnp.zeros((*tokens.shape, TOP_LOGPROBS), jnp.int32)
+        return Tokens(tokens, zeros, top, top.astype(jnp.float32))
+
+    return state, jax.lax.cond(logprobs, partial(_tokens, vocab_size=vocab_size), without, logits, tokens)

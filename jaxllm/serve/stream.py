@@ -4,6 +4,10 @@ Text is released only once it is final: never a part of a multi-byte character s
 spelt out over several tokens, and never the start of what could still become a stop string.
 A stop string ends the request and is left out of its text; so is the end-of-sequence token
 (unless `ignore_eos`); `max_tokens` ends it with `length`.
+
+Each token costs a decode of the few tokens since the last complete character, not of the whole
+output: `text` grows by what `tokens[_start:]` decodes to beyond `tokens[_start:_end]` (decoding
+from a token before the new ones keeps tokenizers that drop a leading space correct).
 """
 
 from __future__ import annotations
@@ -17,9 +21,7 @@ INCOMPLETE = "\ufffd"  # what decoding shows for the bytes of an unfinished char
 
 
 class TextStream:
-    def __init__(
-        self, tokenizer: Tokenizer, max_tokens: int, stop: Sequence[str] = (), ignore_eos: bool = False
-    ):
+    def __init__(self, tokenizer: Tokenizer, max_tokens: int, stop: Sequence[str] = (), ignore_eos: bool = False):
         stop = [s for s in stop if s]
         if len(stop) > MAX_STOPS:
             raise ValueError(f"{len(stop)} stop strings given; at most {MAX_STOPS} are allowed")
@@ -27,34 +29,43 @@ class TextStream:
             raise ValueError(f"max_tokens={max_tokens} must be at least 1")
         self.tokenizer, self.max_tokens, self.stop, self.ignore_eos = tokenizer, max_tokens, stop, ignore_eos
         self.tokens: list[int] = []
+        self.text = ""  # the decoded tokens, up to their last complete character
         self.released = ""  # the text shown so far
         self.finish_reason: str | None = None  # 'stop' or 'length' once finished
+        self._start = self._end = 0  # tokens[_start:_end] decode to the end of `text`
 
     def push(self, token: int) -> str:
         """Takes the request's next token; returns the text that became final with it."""
         if self.finish_reason is not None:
             raise ValueError("the request is finished; push no more tokens")
         if token == self.tokenizer.eos_id and not self.ignore_eos:
-            return self._finish("stop", self._text())
+            return self._finish("stop", self.text + self._pending())
         self.tokens.append(token)
-        text = self._text()
+        pending = self._pending()
+        if pending and not pending.endswith(INCOMPLETE):
+            self.text, pending = self.text + pending, ""
+            self._start, self._end = self._end, len(self.tokens)
+        text = self.text + pending
         # Released text never ends in the start of a stop string, so a stop starts after it.
         hits = [at for at in (text.find(s, len(self.released)) for s in self.stop) if at >= 0]
         if hits:
             return self._finish("stop", text[: min(hits)])
         if len(self.tokens) >= self.max_tokens:
             return self._finish("length", text)
-        return self._release(text[: len(text) - self._held(text)])
+        return self._release(self.text[: len(self.text) - self._held()])
 
-    def _text(self) -> str:
-        return self.tokenizer.decode(self.tokens)
+    def _pending(self) -> str:
+        """The text of the tokens after `_end`, complete or not."""
+        before = self.tokenizer.decode(self.tokens[self._start : self._end])
+        return self.tokenizer.decode(self.tokens[self._start :])[len(before) :]
 
-    def _held(self, text: str) -> int:
-        """How many trailing characters are not final yet: an unfinished character, and before
-        it the longest ending that begins a stop string (the character may continue it)."""
-        done = text.rstrip(INCOMPLETE)
-        starts = [n for s in self.stop for n in range(1, min(len(s) - 1, len(done)) + 1) if done.endswith(s[:n])]
-        return len(text) - len(done) + max(starts, default=0)
+    def _held(self) -> int:
+        """How many trailing characters of `text` are not final yet: the longest ending that
+        begins a stop string (the next token may continue it)."""
+        text = self.text
+        return max(
+            (n for s in self.stop for n in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:n])), default=0
+        )
 
     def _release(self, final: str) -> str:
         if len(final) <= len(self.released):

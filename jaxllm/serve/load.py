@@ -1,0 +1,32 @@
+"""What a server starts from: a training run's latest readable checkpoint (from any training mesh
+or pipeline) or an export, its config with `serve.*` overrides on top, its tokenizer, and the
+params alone, cast to the serving dtype and read straight into the serving shardings."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import jax
+
+from jaxllm.checkpoint import load_params, stored_config
+from jaxllm.config import apply_overrides, serving_config
+from jaxllm.data.tokenizer import load_saved_tokenizer
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.serve.engine import Engine
+
+
+def load_engine(
+    path: str | pathlib.Path, overrides: dict[str, Any] | None = None, tokenizer: str | None = None
+) -> Engine:
+    """An engine for the run or export at `path`, every step compiled. `overrides` are dotted
+    config fields; `tokenizer` replaces the saved one, which it must match."""
+    path = pathlib.Path(path)
+    saved_tokenizer = load_saved_tokenizer(path / "tokenizer", tokenizer)
+    cfg = stored_config(path)
+    apply_overrides(cfg, overrides or {})
+    cfg = serving_config(cfg, jax.local_device_count())
+    mesh = make_mesh(cfg.parallel, jax.local_devices()[: cfg.serve.tensor])
+    _, params, step = load_params(path, mesh, cfg.serve.dtype)
+    print(f"serve: step {step} of {path.absolute()}, {cfg.serve.dtype}, tensor parallel over {cfg.serve.tensor}")
+    return Engine(params, cfg, saved_tokenizer, mesh)

@@ -1,0 +1,155 @@
+"""The serving engine against a full recompute and Hugging Face transformers, in one process, on
+the same Llama-shaped model with random weights (fp32): decode tokens/s at 1 and 8 busy slots,
+and prefill time, at two context lengths.
+
+    python scripts/bench_serve.py [--contexts 128 512] [--new 32] [--hidden 512] [--layers 8]
+
+- engine: `Engine.generate` (prefill, insert, decode steps, sampling, detokenizing). Decode rate:
+  the extra time of `new` tokens over 1 token, per token after the first.
+- full recompute: one jitted forward over the whole context per token, no cache (what decoding
+  costs without one), at the same context.
+- transformers: `LlamaForCausalLM.generate` (greedy, KV cache) on torch CPU, measured the same way
+  as the engine; skipped unless torch and transformers are installed.
+
+Both frameworks use all of this machine's cores; the prompt is random token ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm import plan
+from jaxllm.config import apply_overrides, base_config, serving_config
+from jaxllm.data.tokenizer import get_tokenizer
+from jaxllm.model.decoder import forward
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.serve.engine import Engine, Request
+from jaxllm.train.step import init_params
+
+
+def seconds(fn, repeats: int) -> float:
+    """The median wall time of `fn()` after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def model_config(args, vocab: int, max_len: int):
+    cfg = base_config()
+    heads = args.hidden // 64
+    cfg.model.update(
+        num_layers=args.layers, hidden=args.hidden, num_heads=heads, num_kv_heads=heads, mlp=3 * args.hidden,
+        vocab_size=vocab, max_seq_len=max_len, qkv_share_every=4, dtype="float32",
+    )  # fmt: skip
+    return cfg
+
+
+def engine_rates(cfg, params, tokenizer, prompts: np.ndarray, new: int, repeats: int) -> dict[str, float]:
+    """Prefill seconds (one request) and decode tokens/s at each slot count."""
+    engine = Engine(params, cfg, tokenizer, make_mesh(cfg.parallel, jax.devices()[:1]))
+
+    def run(slots: int, tokens: int):
+        requests = [Request(p.tolist(), tokens, temperature=0.0, ignore_eos=True) for p in prompts[:slots]]
+        return lambda: engine.generate(requests)
+
+    out = {"prefill_s": seconds(run(1, 1), repeats)}
+    for slots in (1, 8):
+        extra = seconds(run(slots, new), repeats) - seconds(run(slots, 1), repeats)
+        out[f"decode_{slots}"] = slots * (new - 1) / extra
+    return out
+
+
+def recompute_rates(cfg, params, prompts: np.ndarray, repeats: int) -> dict[str, float]:
+    """Tokens/s when every token is a forward pass over the whole context."""
+    step = jax.jit(lambda p, t: jnp.argmax(forward(p, t, cfg.model)[:, -1], -1))
+    out = {}
+    for slots in (1, 8):
+        tokens = jnp.asarray(prompts[:slots])
+        out[f"decode_{slots}"] = slots / seconds(lambda t=tokens: jax.block_until_ready(step(params, t)), repeats)
+    return out
+
+
+def transformers_rates(cfg, prompts: np.ndarray, new: int, repeats: int) -> tuple[dict[str, float], str] | None:
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    m = cfg.model
+    llama = transformers.LlamaConfig(
+        vocab_size=m.vocab_size, hidden_size=m.hidden, intermediate_size=m.mlp, num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads, max_position_embeddings=m.max_seq_len,
+        rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(llama).eval()
+
+    def run(slots: int, tokens: int):
+        ids = torch.as_tensor(prompts[:slots], dtype=torch.long)
+        settings = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+
+        def generate():
+            with torch.inference_mode():
+                model.generate(ids, attention_mask=torch.ones_like(ids), **settings)
+
+        return generate
+
+    out = {"prefill_s": seconds(run(1, 1), repeats)}
+    for slots in (1, 8):
+        extra = seconds(run(slots, new), repeats) - seconds(run(slots, 1), repeats)
+        out[f"decode_{slots}"] = slots * (new - 1) / extra
+    versions = (
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads), transformers {transformers.__version__}: "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters (a QKV per layer)"
+    )
+    return out, versions
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512])
+    parser.add_argument("--new", type=int, default=32, help="tokens generated per request")
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    tokenizer = get_tokenizer("gpt2")
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; Llama-shaped: {args.layers} layers, hidden "
+          f"{args.hidden}, {args.hidden // 64} heads, mlp {3 * args.hidden}, vocab {tokenizer.vocab_size}; fp32; "
+          f"{args.new} new tokens, greedy")  # fmt: skip
+    for context in args.contexts:
+        cfg = model_config(args, tokenizer.vocab_size, context + args.new)
+        cfg = serving_config(apply_overrides(cfg, {"serve.max_prompt_tokens": context}), 1)
+        print(f"jaxllm: {plan.param_counts(cfg.model)['total'] / 1e6:.1f}M parameters (a QKV per 4 layers)")
+        params = init_params(cfg)
+        prompts = np.random.default_rng(0).integers(0, tokenizer.vocab_size, (8, context))
+        rows = {"engine": engine_rates(cfg, params, tokenizer, prompts, args.new, args.repeats)}
+        rows["full recompute"] = recompute_rates(cfg, params, prompts, args.repeats)
+        hf = transformers_rates(cfg, prompts, args.new, args.repeats)
+        if hf is None:
+            print("transformers: not installed (pip install torch transformers), so not compared")
+        else:
+            rows["transformers"], versions = hf
+            print(versions)
+        print(f"\ncontext {context} tokens (serve.max_len {cfg.serve.max_len}):")
+        print(f"  {'':16}{'prefill s':>10}{'1 slot tok/s':>14}{'8 slots tok/s':>15}")
+        for name, r in rows.items():
+            prefill = f"{r['prefill_s']:.3f}" if "prefill_s" in r else "-"
+            print(f"  {name:16}{prefill:>10}{r['decode_1']:>14.1f}{r['decode_8']:>15.1f}")
+        engine = rows["engine"]
+        for name in [n for n in rows if n != "engine"]:
+            ratios = [engine[f"decode_{s}"] / rows[name][f"decode_{s}"] for s in (1, 8)]
+            print(f"  engine / {name}: {ratios[0]:.1f}× at 1 slot, {ratios[1]:.1f}× at 8 slots")
+
+
+if __name__ == "__main__":
+    main()
