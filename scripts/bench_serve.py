@@ -11,7 +11,8 @@ and prefill time, at two context lengths.
 - transformers: `LlamaForCausalLM.generate` (greedy, KV cache) on torch CPU, measured the same way
   as the engine; skipped unless torch and transformers are installed.
 
-Both frameworks use all of this machine's cores; the prompt is random token ids.
+Both frameworks use all of this machine's cores, one after the other (JAX for every context, then
+torch); the prompt is random token ids.
 """
 
 from __future__ import annotations
@@ -120,34 +121,42 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=32, help="tokens generated per request")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     tokenizer = get_tokenizer("gpt2")
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; Llama-shaped: {args.layers} layers, hidden "
           f"{args.hidden}, {args.hidden // 64} heads, mlp {3 * args.hidden}, vocab {tokenizer.vocab_size}; fp32; "
           f"{args.new} new tokens, greedy")  # fmt: skip
+    # JAX first, for every context, and torch only then: torch's idle worker threads keep
+    # spinning for a while after each call and would slow whatever runs beside them.
+    results, configs = {}, {}
     for context in args.contexts:
         cfg = model_config(args, tokenizer.vocab_size, context + args.new)
-        cfg = serving_config(apply_overrides(cfg, {"serve.max_prompt_tokens": context}), 1)
-        print(f"jaxllm: {plan.param_counts(cfg.model)['total'] / 1e6:.1f}M parameters (a QKV per 4 layers)")
-        params = init_params(cfg)
+        configs[context] = serving_config(apply_overrides(cfg, {"serve.max_prompt_tokens": context}), 1)
+        params = init_params(configs[context])
         prompts = np.random.default_rng(0).integers(0, tokenizer.vocab_size, (8, context))
-        rows = {"engine": engine_rates(cfg, params, tokenizer, prompts, args.new, args.repeats)}
-        rows["full recompute"] = recompute_rates(cfg, params, prompts, args.repeats)
-        hf = transformers_rates(cfg, prompts, args.new, args.repeats)
+        results[context] = {
+            "engine": engine_rates(configs[context], params, tokenizer, prompts, args.new, args.repeats),
+            "full recompute": recompute_rates(configs[context], params, prompts, args.repeats),
+        }
+    print(f"jaxllm: {plan.param_counts(cfg.model)['total'] / 1e6:.1f}M parameters (a QKV per 4 layers)")
+    for context in args.contexts:
+        prompts = np.random.default_rng(0).integers(0, tokenizer.vocab_size, (8, context))
+        hf = transformers_rates(configs[context], prompts, args.new, args.repeats)
         if hf is None:
-            print("transformers: not installed (pip install torch transformers), so not compared")
-        else:
-            rows["transformers"], versions = hf
-            print(versions)
-        print(f"\ncontext {context} tokens (serve.max_len {cfg.serve.max_len}):")
+            print("transformers: not installed (pip install -e '.[hf]'), so not compared")
+            break
+        results[context]["transformers"], versions = hf
+    else:
+        print(versions)
+    for context, rows in results.items():
+        print(f"\ncontext {context} tokens (serve.max_len {configs[context].serve.max_len}):")
         print(f"  {'':16}{'prefill s':>10}{'1 slot tok/s':>14}{'8 slots tok/s':>15}")
         for name, r in rows.items():
             prefill = f"{r['prefill_s']:.3f}" if "prefill_s" in r else "-"
             print(f"  {name:16}{prefill:>10}{r['decode_1']:>14.1f}{r['decode_8']:>15.1f}")
-        engine = rows["engine"]
         for name in [n for n in rows if n != "engine"]:
-            ratios = [engine[f"decode_{s}"] / rows[name][f"decode_{s}"] for s in (1, 8)]
+            ratios = [rows["engine"][f"decode_{s}"] / rows[name][f"decode_{s}"] for s in (1, 8)]
             print(f"  engine / {name}: {ratios[0]:.1f}× at 1 slot, {ratios[1]:.1f}× at 8 slots")
 
 

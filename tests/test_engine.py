@@ -5,6 +5,8 @@ at staggered steps, greedy and sampled; the decode step updates its donated cach
 
 import math
 import re
+import subprocess
+import sys
 from functools import partial
 
 import hlo
@@ -209,6 +211,13 @@ def test_prefill_without_nll_runs_the_head_once_with_the_same_result(trained):
     without, full = (runs[nll](params, tokens, length) for nll in (0, 1))
     np.testing.assert_allclose(without.logits, full.logits, rtol=1e-5, atol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), without.cache, full.cache)
+
+
+def test_serving_imports_nothing_of_training():
+    """(optax still loads: flax.nnx imports it for its own TrainState.)"""
+    probe = "import sys, jaxllm.serve.__main__; print(sorted(m for m in sys.modules if m.startswith('jaxllm.train')))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
 
 
 def test_prompt_buckets_are_powers_of_two_up_to_the_limit():
