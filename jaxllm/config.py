@@ -100,7 +100,17 @@ def base_config() -> ml_collections.ConfigDict:
         max_prompt_tokens=8192,
         dtype=placeholder(str),  # of the params, activations and KV cache (None: model.dtype)
         tensor=-1,  # devices for tensor parallelism (-1: as many local ones as split the heads evenly)
-        prompt_nll=False,  # report each prompt token's NLL (the LM head over every prompt token)
+        prompt_nll=False,  # each prompt token's log-prob (the LM head over every prompt token)
+        # The HTTP server (python -m jaxllm.serve without --prompt) and its guards.
+        host="127.0.0.1",
+        port=8000,
+        model_name=placeholder(str),  # the id clients ask for (None: the run's or export's directory name)
+        max_body_bytes=1 << 20,  # larger request bodies: 413
+        rate_per_s=10.0,  # each API key's (or, without keys, each client address's) request rate...
+        burst=40,  # ...and the burst it may spend at once; beyond: 429
+        max_queue=64,  # requests waiting for a slot; beyond: 503
+        ppl_alarm=placeholder(float),  # prompt perplexity (whole, or any 32-token window) to flag; None: off
+        ppl_reject=False,  # refuse flagged prompts (400) instead of only counting and logging them
     )
     return cfg
 
@@ -363,6 +373,17 @@ def serving_config(cfg: ml_collections.ConfigDict, local_devices: int) -> ml_col
         "context the model was built for); lower serve.max_len or raise model.max_seq_len",
     )
     _require(s.max_prompt_tokens >= 1, f"serve.max_prompt_tokens={s.max_prompt_tokens} must be at least 1")
+    _require(0 < s.port < 65536, f"serve.port={s.port} must be in 1..65535")
+    _require(s.max_body_bytes >= 1, f"serve.max_body_bytes={s.max_body_bytes} must be at least 1")
+    _require(s.rate_per_s > 0, f"serve.rate_per_s={s.rate_per_s} must be above 0 (requests per second per key)")
+    _require(s.burst >= 1, f"serve.burst={s.burst} must be at least 1")
+    _require(s.max_queue >= 0, f"serve.max_queue={s.max_queue} must be at least 0")
+    _require(
+        s.ppl_alarm is None or s.ppl_alarm > 1,
+        f"serve.ppl_alarm={s.ppl_alarm} must be above 1 (a perplexity), or None to turn the alarm off",
+    )
+    _require(not s.ppl_reject or s.ppl_alarm is not None, "serve.ppl_reject needs serve.ppl_alarm, the threshold")
+    s.prompt_nll = s.prompt_nll or s.ppl_alarm is not None  # the alarm reads the prompt's log-probs
     _require(s.dtype in SERVE_DTYPES, f"serve.dtype={s.dtype!r} is unknown; use one of {SERVE_DTYPES}")
     _require(
         1 <= s.tensor <= local_devices,

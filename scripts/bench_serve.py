@@ -1,6 +1,6 @@
 """The serving engine against a full recompute and Hugging Face transformers, in one process, on
 the same Llama-shaped model with random weights (fp32): decode tokens/s at 1 and 8 busy slots,
-and prefill time, at two context lengths.
+and prefill time, at two context lengths; then the same engine end to end through HTTP.
 
     python scripts/bench_serve.py [--contexts 128 512] [--new 32] [--hidden 512] [--layers 8]
 
@@ -11,6 +11,11 @@ and prefill time, at two context lengths.
 - transformers: `LlamaForCausalLM.generate` (greedy, KV cache) on torch CPU, measured the same way
   as the engine; skipped unless torch and transformers are installed.
 
+- HTTP: the server (`jaxllm.serve.api`, uvicorn on 127.0.0.1) stepping the same engine in its
+  thread, and 1 or 8 clients in threads, each streaming completions of `new` tokens one after
+  another: generated tokens/s over the wall time, and time to the first streamed token (p50,
+  p90); beside it, `Engine.generate` of the same requests in the same process, with no HTTP.
+
 Both frameworks use all of this machine's cores, one after the other (JAX for every context, then
 torch); the prompt is random token ids.
 """
@@ -18,19 +23,28 @@ torch); the prompt is random token ids.
 from __future__ import annotations
 
 import argparse
+import http.client
+import json
+import socket
 import statistics
+import threading
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import uvicorn
 
 from jaxllm import plan
 from jaxllm.config import apply_overrides, base_config, serving_config
 from jaxllm.data.tokenizer import get_tokenizer
 from jaxllm.model.decoder import forward
 from jaxllm.parallel.mesh import make_mesh
+from jaxllm.serve.api import Server, create_app
+from jaxllm.serve.chat import ChatTemplate
 from jaxllm.serve.engine import Engine, Request
+from jaxllm.serve.guards import DenyList
+from jaxllm.serve.metrics import Metrics
 from jaxllm.train.step import init_params
 
 
@@ -55,9 +69,8 @@ def model_config(args, vocab: int, max_len: int):
     return cfg
 
 
-def engine_rates(cfg, params, tokenizer, prompts: np.ndarray, new: int, repeats: int) -> dict[str, float]:
+def engine_rates(engine: Engine, prompts: np.ndarray, new: int, repeats: int) -> dict[str, float]:
     """Prefill seconds (one request) and decode tokens/s at each slot count."""
-    engine = Engine(params, cfg, tokenizer, make_mesh(cfg.parallel, jax.devices()[:1]))
 
     def run(slots: int, tokens: int):
         requests = [Request(p.tolist(), tokens, temperature=0.0, ignore_eos=True) for p in prompts[:slots]]
@@ -67,6 +80,65 @@ def engine_rates(cfg, params, tokenizer, prompts: np.ndarray, new: int, repeats:
     for slots in (1, 8):
         extra = seconds(run(slots, new), repeats) - seconds(run(slots, 1), repeats)
         out[f"decode_{slots}"] = slots * (new - 1) / extra
+    return out
+
+
+def stream_completion(port: int, prompt: list[int], new: int) -> tuple[float, float]:
+    """Streams one greedy completion; (seconds to its first token, seconds to its end)."""
+    start, first = time.perf_counter(), None
+    connection = http.client.HTTPConnection("127.0.0.1", port)
+    body = {"model": "bench", "prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True, "stream": True}
+    connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200, response.read()
+    for line in response:
+        if line.startswith(b"data: {") and first is None:
+            first = time.perf_counter() - start
+    connection.close()
+    return first, time.perf_counter() - start
+
+
+def http_rates(engine: Engine, prompts: np.ndarray, new: int, rounds: int) -> dict[str, dict[str, float]]:
+    """Tokens/s and time to first token through HTTP at 1 and 8 concurrent clients, and the
+    tokens/s of `Engine.generate` for the same requests without HTTP."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    metrics = Metrics(engine.slots)
+    server = Server(engine.cfg.serve, "bench", engine.tokenizer, ChatTemplate(), DenyList([]), frozenset(), metrics)
+    server.engine = engine
+    http = uvicorn.Server(uvicorn.Config(create_app(server), "127.0.0.1", port, log_level="warning"))
+    stop = threading.Event()
+    threads = [threading.Thread(target=http.run), threading.Thread(target=engine.serve_forever, args=(stop,))]
+    for t in threads:
+        t.start()
+    while not http.started:
+        time.sleep(0.05)
+    out = {}
+    for clients in (1, 8):
+        firsts = []
+
+        def client(prompt, firsts=firsts):
+            for _ in range(rounds):
+                firsts.append(stream_completion(port, prompt, new)[0])
+
+        stream_completion(port, prompts[0].tolist(), new)  # warm-up
+        start = time.perf_counter()
+        workers = [threading.Thread(target=client, args=(p.tolist(),)) for p in prompts[:clients]]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        wall = time.perf_counter() - start
+        p50, p90 = np.percentile(firsts, [50, 90])
+        out[clients] = {"tok_s": clients * rounds * new / wall, "ttft_p50": p50, "ttft_p90": p90}
+    stop.set()
+    http.should_exit = True
+    for t in threads:
+        t.join()
+    for clients in (1, 8):
+        requests = [Request(p.tolist(), new, temperature=0.0, ignore_eos=True) for p in prompts[:clients]]
+        out[clients]["engine_tok_s"] = clients * new / seconds(lambda r=requests: engine.generate(r), rounds)
     return out
 
 
@@ -129,16 +201,19 @@ def main() -> None:
           f"{args.new} new tokens, greedy")  # fmt: skip
     # JAX first, for every context, and torch only then: torch's idle worker threads keep
     # spinning for a while after each call and would slow whatever runs beside them.
-    results, configs = {}, {}
+    results, configs, served = {}, {}, {}
     for context in args.contexts:
         cfg = model_config(args, tokenizer.vocab_size, context + args.new)
-        configs[context] = serving_config(apply_overrides(cfg, {"serve.max_prompt_tokens": context}), 1)
+        unlimited = {"serve.max_prompt_tokens": context, "serve.rate_per_s": 1e9, "serve.burst": 10**9}
+        configs[context] = serving_config(apply_overrides(cfg, unlimited), 1)
         params = init_params(configs[context])
+        engine = Engine(params, configs[context], tokenizer, make_mesh(configs[context].parallel, jax.devices()[:1]))
         prompts = np.random.default_rng(0).integers(0, tokenizer.vocab_size, (8, context))
         results[context] = {
-            "engine": engine_rates(configs[context], params, tokenizer, prompts, args.new, args.repeats),
+            "engine": engine_rates(engine, prompts, args.new, args.repeats),
             "full recompute": recompute_rates(configs[context], params, prompts, args.repeats),
         }
+        served[context] = http_rates(engine, prompts, args.new, args.repeats)
     print(f"jaxllm: {plan.param_counts(cfg.model)['total'] / 1e6:.1f}M parameters (a QKV per 4 layers)")
     for context in args.contexts:
         prompts = np.random.default_rng(0).integers(0, tokenizer.vocab_size, (8, context))
@@ -158,6 +233,13 @@ def main() -> None:
         for name in [n for n in rows if n != "engine"]:
             ratios = [rows["engine"][f"decode_{s}"] / rows[name][f"decode_{s}"] for s in (1, 8)]
             print(f"  engine / {name}: {ratios[0]:.1f}× at 1 slot, {ratios[1]:.1f}× at 8 slots")
+        print(f"  through HTTP, streamed ({args.repeats} requests per client, one after another):")
+        print(f"  {'':16}{'tok/s':>10}{'TTFT p50 s':>12}{'TTFT p90 s':>12}"
+              f"{'Engine.generate tok/s':>23}{'HTTP / engine':>15}")  # fmt: skip
+        for clients, r in served[context].items():
+            name = f"{clients} client" + "s" * (clients > 1)
+            print(f"  {name:16}{r['tok_s']:>10.1f}{r['ttft_p50']:>12.3f}{r['ttft_p90']:>12.3f}"
+                  f"{r['engine_tok_s']:>23.1f}{r['tok_s'] / r['engine_tok_s']:>14.2f}×")  # fmt: skip
 
 
 if __name__ == "__main__":

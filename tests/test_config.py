@@ -131,6 +131,13 @@ SERVE_CASES = {
     "unknown dtype": ({"serve.dtype": "int4"}, ["serve.dtype='int4' is unknown"]),
     "more devices than here": ({"serve.tensor": 16}, ["serve.tensor=16: this host has 8 devices"]),
     "kv heads vs tensor": ({"serve.tensor": 8}, ["model.num_kv_heads=4 is not divisible by serve.tensor=8"]),
+    "no port": ({"serve.port": 0}, ["serve.port=0 must be in 1..65535"]),
+    "no rate": ({"serve.rate_per_s": 0.0}, ["serve.rate_per_s=0.0 must be above 0"]),
+    "no burst": ({"serve.burst": 0}, ["serve.burst=0 must be at least 1"]),
+    "negative queue": ({"serve.max_queue": -1}, ["serve.max_queue=-1 must be at least 0"]),
+    "tiny body": ({"serve.max_body_bytes": 0}, ["serve.max_body_bytes=0 must be at least 1"]),
+    "alarm below 1": ({"serve.ppl_alarm": 0.5}, ["serve.ppl_alarm=0.5 must be above 1", "None to turn"]),
+    "reject without alarm": ({"serve.ppl_reject": True}, ["serve.ppl_reject needs serve.ppl_alarm"]),
 }
 
 
@@ -148,6 +155,9 @@ def test_serving_config_resolves_its_defaults():
     assert (cfg.serve.max_len, cfg.serve.dtype, cfg.serve.tensor) == (64, "float32", 4)
     assert (cfg.model.attention, cfg.model.remat) == ("xla", "none")
     assert [cfg.parallel[a] for a in ("data", "fsdp", "stage", "tensor")] == [1, 1, 1, 4]
+    assert not cfg.serve.prompt_nll
+    alarmed = serving_config(apply_overrides(small_config(), {"serve.ppl_alarm": 500.0}), local_devices=8)
+    assert alarmed.serve.prompt_nll  # the alarm reads the prompt's log-probs
     assert trained.parallel.stage == 2  # the checkpoint's own config is left as it was
 
 

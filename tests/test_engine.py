@@ -7,6 +7,7 @@ import math
 import re
 import subprocess
 import sys
+import threading
 from functools import partial
 
 import hlo
@@ -20,12 +21,13 @@ from jaxllm.data.corpus import read_documents, resolve_inputs
 from jaxllm.data.tokenizer import get_tokenizer, save_tokenizer, train_bpe
 from jaxllm.model.decoder import forward
 from jaxllm.parallel.mesh import make_mesh
-from jaxllm.serve.engine import Request, RequestError
+from jaxllm.serve.engine import Request, RequestError, Unavailable
 from jaxllm.serve.load import load_engine
 from jaxllm.serve.steps import bucket_for, prefill, prompt_buckets
 from jaxllm.train.run import batch_sharding, build_run
 from jaxllm.train.step import compile_train_step, init_state
 
+PPL_ALARM = 300.0  # about the vocabulary's size: the barely trained model passes it on some prompts
 SLOTS, NEW = 8, 25  # the first token comes from the prefill, then 24 decode steps
 PROMPTS = [3, 10, 5, 16, 1, 12, 7, 4]
 JOINS = {0: [3], 1: [0, 5], 4: [1], 5: [7, 2], 9: [6, 4]}  # decode step → requests submitted before it
@@ -63,8 +65,10 @@ def engines(trained):
 
     def get(tensor: int):
         if tensor not in built:
-            # The prompts' NLL on 1 and 4 devices; on 2, the prefill that skips it.
-            built[tensor] = load_engine(trained[0], {**SERVE, "serve.tensor": tensor, "serve.prompt_nll": tensor != 2})
+            # The prompts' log-probs on 1 (for the perplexity alarm) and 4 devices; on 2, the
+            # prefill that skips them.
+            logprobs = {1: {"serve.ppl_alarm": PPL_ALARM}, 2: {}, 4: {"serve.prompt_nll": True}}[tensor]
+            built[tensor] = load_engine(trained[0], {**SERVE, "serve.tensor": tensor, **logprobs})
         return built[tensor]
 
     return get
@@ -120,16 +124,27 @@ def test_engine_matches_full_recompute_and_is_independent_of_neighbours(trained,
             if requests[r].temperature == 0:
                 assert choice.tokens[i] == int(np.argmax(row)), (r, i)
         assert choice.text == tokenizer.decode(choice.tokens)
-        prompt = requests[r].prompt  # and each prompt token's NLL, as the server reports it
-        if tensor == 2:
-            assert generations[r].prompt_nll is None
-        else:
-            nll = [0.0] + [-want[r, j - 1, prompt[j]] for j in range(1, len(prompt))]
-            np.testing.assert_allclose(generations[r].prompt_nll, nll, rtol=1e-4, atol=1e-4)
+        _check_prompt_logprobs(generations[r], want[r], tensor)
 
     for r in range(SLOTS):
         alone = _run(engine, requests, {0: [r]})[r].choices()[0]
         assert alone.tokens == together[r].tokens, r
+
+
+def _check_prompt_logprobs(generation, want, tensor):
+    """Each prompt token's log-prob and top 20 as the server reports them, the perplexity and
+    (on 1 device, which has the alarm on but not refusing) the alarm."""
+    scored, prompt = generation.prompt_logprobs, generation.request.prompt
+    if tensor == 2:
+        assert scored is None and generation.perplexity is None
+        return
+    rows = want[np.arange(len(prompt) - 1)]
+    np.testing.assert_allclose(scored.logprobs, rows[np.arange(len(prompt) - 1), prompt[1:]], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(scored.top_logprobs, -np.sort(-rows, axis=-1)[:, :20], rtol=1e-4, atol=1e-4)
+    nll = -scored.logprobs
+    whole = np.exp(nll.mean()) if len(nll) else 1.0
+    np.testing.assert_allclose(generation.perplexity, (whole, whole), rtol=1e-5)  # prompts shorter than a window
+    assert generation.alarm == (tensor == 1 and whole > PPL_ALARM)
 
 
 def test_n_choices_share_one_prefill_and_differ_by_choice(trained, engines):
@@ -184,11 +199,8 @@ def test_requests_beyond_the_limits_are_refused_with_the_limit(engines):
     engine = engines(1)
     for request, message in [
         (Request([]), "the prompt is empty"),
-        (Request([1] * 17), "the prompt has 17 tokens; this server takes at most 16"),
-        (
-            Request([1] * 16, max_tokens=4081),
-            "exceed the 4096 tokens a slot holds .serve.max_len.; ask for at most 4080",
-        ),
+        (Request([1] * 17, max_tokens=5), "the prompt has 17 tokens and max_tokens is 5; .* at most 16 tokens"),
+        (Request([1] * 16, max_tokens=4081), "max_tokens is 4081; .* at most 4096 tokens of prompt and output"),
         (Request([1], n=9), "n=9 must be between 1 and the 8 slots"),
         (Request([300]), r"prompt token ids must be in \[0, 300\)"),
         (Request([1], top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
@@ -200,17 +212,47 @@ def test_requests_beyond_the_limits_are_refused_with_the_limit(engines):
     assert not engine.busy()  # nothing refused was queued
 
 
-def test_prefill_without_nll_runs_the_head_once_with_the_same_result(trained):
+def test_prefill_without_logprobs_runs_the_head_once_with_the_same_result(trained):
     workdir, model, _ = trained
     params, tokens, length = checkpoint_params(workdir, 2), jnp.arange(16, dtype=jnp.int32) + 7, jnp.int32(11)
-    runs = {
-        nll: jax.jit(partial(prefill, model=model, nll=nll)).lower(params, tokens, length).compile() for nll in (0, 1)
-    }
+    step = partial(prefill, model=model, vocab_size=300)
+    runs = {nll: jax.jit(partial(step, logprobs=nll)).lower(params, tokens, length).compile() for nll in (0, 1)}
     flops = {nll: run.cost_analysis()["flops"] for nll, run in runs.items()}
     assert flops[1] - flops[0] >= 15 * 2 * model.hidden * 384  # the head on 15 more positions
     without, full = (runs[nll](params, tokens, length) for nll in (0, 1))
     np.testing.assert_allclose(without.logits, full.logits, rtol=1e-5, atol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), without.cache, full.cache)
+
+
+def test_engine_thread_serves_until_a_step_fails_then_ends_every_request(trained):
+    """serve_forever steps whatever other threads submit; a failing step (a lost device, say)
+    ends every waiting and running request with the error and refuses new ones."""
+    engine = load_engine(trained[0], {"serve.slots": 1, "serve.max_len": 32, "serve.max_prompt_tokens": 16})
+    stop, failures = threading.Event(), []
+
+    def serve():
+        try:
+            engine.serve_forever(stop)
+        except RuntimeError as e:
+            failures.append(e)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    served = engine.submit(Request([5, 6], 4, temperature=0.0, ignore_eos=True))
+    assert len(served.choices(timeout=60)[0].tokens) == 4
+
+    def lost_device(*args):
+        raise RuntimeError("device lost")
+
+    engine.decode_step = lost_device
+    running, waiting = (engine.submit(Request([5], 8, ignore_eos=True)) for _ in range(2))
+    thread.join(60)
+    assert [str(f) for f in failures] == ["device lost"] and engine.failure is failures[0]
+    for generation in (running, waiting):
+        with pytest.raises(Unavailable, match="the engine has stopped: RuntimeError.'device lost'"):
+            generation.choices(timeout=10)
+    with pytest.raises(Unavailable, match="the engine has stopped"):
+        engine.submit(Request([5], 2))
 
 
 def test_serving_imports_nothing_of_training():

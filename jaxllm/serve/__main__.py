@@ -1,22 +1,77 @@
-"""`python -m jaxllm.serve (--workdir RUN | --checkpoint EXPORT) [--config.serve.X=...]`: loads a
-model for serving (every step compiled) and completes each `--prompt`, all decoded together."""
+"""`python -m jaxllm.serve (--workdir RUN | --checkpoint EXPORT) [--config.serve.X=...]`: serves
+the model over HTTP (OpenAI's API) on serve.host:serve.port. The server answers at once (/health
+is 503 until every step has compiled). With `--prompt`, completes the prompts and exits instead."""
 
+import logging as std_logging
+import pathlib
+import threading
+
+import uvicorn
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from jaxllm.config import ConfigError, base_config
 from jaxllm.errors import exit_on_error
+from jaxllm.serve.api import Server, create_app
+from jaxllm.serve.chat import ChatTemplate
 from jaxllm.serve.engine import Request
-from jaxllm.serve.load import load_engine
+from jaxllm.serve.guards import DenyList, load_api_keys
+from jaxllm.serve.load import serving_setup, start_engine
+from jaxllm.serve.metrics import Metrics
 
 CONFIG = config_flags.DEFINE_config_dict("config", base_config(), "Overrides of the checkpoint's config.")
 WORKDIR = flags.DEFINE_string("workdir", None, "A training run: serve its latest readable checkpoint.")
 CHECKPOINT = flags.DEFINE_string("checkpoint", None, "An export (python -m jaxllm.export).")
 TOKENIZER = flags.DEFINE_string("tokenizer", None, "'gpt2' or a tokenizer.json instead of the saved one (must match).")
-PROMPT = flags.DEFINE_multi_string("prompt", [], "A prompt to complete (repeatable).")
-MAX_TOKENS = flags.DEFINE_integer("max-tokens", 64, "Tokens to generate per prompt.")
-TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0: greedy.")
-SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+API_KEYS = flags.DEFINE_string("api-keys", None, "A file of API keys, one per line (also: JAXLLM_API_KEYS=k1,k2).")
+DENY = flags.DEFINE_string("deny", None, "A file of regexes, one per line, refused in any request's text.")
+CHAT_TEMPLATE = flags.DEFINE_string("chat-template", None, "A Jinja chat template instead of the built-in one.")
+PROMPT = flags.DEFINE_multi_string("prompt", [], "Complete this prompt and exit instead of serving (repeatable).")
+MAX_TOKENS = flags.DEFINE_integer("max-tokens", 64, "With --prompt: tokens to generate per prompt.")
+TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "With --prompt: 0 is greedy.")
+SEED = flags.DEFINE_integer("seed", 0, "With --prompt: the sampling seed.")
+
+
+def complete_prompts(path: str, cfg, tokenizer) -> None:
+    engine = start_engine(path, cfg, tokenizer)
+    requests = [
+        Request(tokenizer.encode(p), MAX_TOKENS.value, TEMPERATURE.value, seed=SEED.value) for p in PROMPT.value
+    ]
+    for generation, prompt in zip(engine.generate(requests), PROMPT.value, strict=True):
+        choice = generation.choices()[0]
+        print(f"--- {prompt!r} ({choice.finish_reason}, {len(choice.tokens)} tokens)\n{prompt}{choice.text}")
+
+
+def serve_http(path: str, cfg, tokenizer) -> None:
+    """Listens at once; loads and compiles in a thread that then steps the engine until shutdown."""
+    s = cfg.serve
+    server = Server(
+        s, s.model_name or pathlib.Path(path).absolute().name, tokenizer,
+        ChatTemplate.from_file(CHAT_TEMPLATE.value, tokenizer.decode([tokenizer.eos_id])),
+        DenyList.from_file(DENY.value), load_api_keys(API_KEYS.value), Metrics(s.slots),
+    )  # fmt: skip
+    http = uvicorn.Server(uvicorn.Config(create_app(server), s.host, s.port, log_level="warning"))
+    stop, failure = threading.Event(), []
+
+    def run_engine() -> None:
+        try:
+            server.engine = start_engine(path, cfg, tokenizer)
+            print(f"serve: {server.model_name!r} ready at http://{s.host}:{s.port}/v1", flush=True)
+            server.engine.serve_forever(stop, server.metrics.step_slots.observe)
+        except Exception as e:
+            std_logging.getLogger("jaxllm.serve").exception("the engine stopped")
+            if server.engine is None:  # nothing to serve: shut down and report why
+                failure.append(e)
+                http.should_exit = True
+
+    engine = threading.Thread(target=run_engine, name="engine", daemon=True)
+    engine.start()
+    auth = f"{len(server.api_keys)} API keys" if server.api_keys else "no API keys (authentication off)"
+    print(f"serve: listening on http://{s.host}:{s.port} with {auth}; compiling", flush=True)
+    http.run()
+    stop.set()
+    if failure:
+        raise failure[0]
 
 
 @exit_on_error
@@ -25,17 +80,10 @@ def main(argv) -> None:
     logging.set_verbosity(logging.WARNING)
     if (WORKDIR.value is None) == (CHECKPOINT.value is None):
         raise ConfigError("pass exactly one of --workdir RUN (a training run) or --checkpoint EXPORT")
-    if not PROMPT.value:
-        raise ConfigError("pass at least one --prompt")
+    path = WORKDIR.value or CHECKPOINT.value
     overrides = config_flags.get_override_values(flags.FLAGS["config"])
-    engine = load_engine(WORKDIR.value or CHECKPOINT.value, overrides, TOKENIZER.value)
-    tokenizer = engine.tokenizer
-    requests = [
-        Request(tokenizer.encode(p), MAX_TOKENS.value, TEMPERATURE.value, seed=SEED.value) for p in PROMPT.value
-    ]
-    for generation, prompt in zip(engine.generate(requests), PROMPT.value, strict=True):
-        choice = generation.choices()[0]
-        print(f"--- {prompt!r} ({choice.finish_reason}, {len(choice.tokens)} tokens)\n{prompt}{choice.text}")
+    cfg, tokenizer = serving_setup(path, overrides, TOKENIZER.value)
+    (complete_prompts if PROMPT.value else serve_http)(path, cfg, tokenizer)
 
 
 if __name__ == "__main__":

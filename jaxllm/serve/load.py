@@ -8,25 +8,38 @@ import pathlib
 from typing import Any
 
 import jax
+import ml_collections
 
 from jaxllm.checkpoint import load_params, stored_config
 from jaxllm.config import apply_overrides, serving_config
-from jaxllm.data.tokenizer import load_saved_tokenizer
+from jaxllm.data.tokenizer import Tokenizer, load_saved_tokenizer
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.serve.engine import Engine
+
+
+def serving_setup(
+    path: str | pathlib.Path, overrides: dict[str, Any] | None = None, tokenizer: str | None = None
+) -> tuple[ml_collections.ConfigDict, Tokenizer]:
+    """The config and tokenizer to serve the run or export at `path` (quick: reads no params).
+    `overrides` are dotted config fields; `tokenizer` replaces the saved one, which it must match."""
+    path = pathlib.Path(path)
+    saved_tokenizer = load_saved_tokenizer(path / "tokenizer", tokenizer)
+    cfg = stored_config(path)
+    apply_overrides(cfg, overrides or {})
+    return serving_config(cfg, jax.local_device_count()), saved_tokenizer
+
+
+def start_engine(path: str | pathlib.Path, cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> Engine:
+    """Reads the params at `path` into the serving shardings and compiles every step."""
+    mesh = make_mesh(cfg.parallel, jax.local_devices()[: cfg.serve.tensor])
+    _, params, step = load_params(pathlib.Path(path), mesh, cfg.serve.dtype)
+    print(f"serve: step {step} of {pathlib.Path(path).absolute()}, {cfg.serve.dtype}, tensor parallel over "
+          f"{cfg.serve.tensor}", flush=True)  # fmt: skip
+    return Engine(params, cfg, tokenizer, mesh)
 
 
 def load_engine(
     path: str | pathlib.Path, overrides: dict[str, Any] | None = None, tokenizer: str | None = None
 ) -> Engine:
-    """An engine for the run or export at `path`, every step compiled. `overrides` are dotted
-    config fields; `tokenizer` replaces the saved one, which it must match."""
-    path = pathlib.Path(path)
-    saved_tokenizer = load_saved_tokenizer(path / "tokenizer", tokenizer)
-    cfg = stored_config(path)
-    apply_overrides(cfg, overrides or {})
-    cfg = serving_config(cfg, jax.local_device_count())
-    mesh = make_mesh(cfg.parallel, jax.local_devices()[: cfg.serve.tensor])
-    _, params, step = load_params(path, mesh, cfg.serve.dtype)
-    print(f"serve: step {step} of {path.absolute()}, {cfg.serve.dtype}, tensor parallel over {cfg.serve.tensor}")
-    return Engine(params, cfg, saved_tokenizer, mesh)
+    """An engine for the run or export at `path`, every step compiled (see `serving_setup`)."""
+    return start_engine(path, *serving_setup(path, overrides, tokenizer))

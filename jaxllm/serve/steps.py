@@ -50,10 +50,17 @@ class Tokens(NamedTuple):
 
 
 def _tokens(logits: jax.Array, ids: jax.Array, vocab_size: int) -> Tokens:
+    """`ids` [rows] with their log-probs under `logits` [rows, padded vocab] and the top alternatives."""
     logprobs = jax.nn.log_softmax(jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf), axis=-1)
     top_logprobs, top_ids = jax.lax.top_k(logprobs, TOP_LOGPROBS)
     chosen = jnp.take_along_axis(logprobs, ids[:, None], axis=-1)[:, 0]
     return Tokens(ids, chosen, top_ids, top_logprobs)
+
+
+def _without_logprobs(ids: jax.Array) -> Tokens:
+    zeros = jnp.zeros(ids.shape, jnp.float32)
+    top = jnp.zeros((*ids.shape, TOP_LOGPROBS), jnp.int32)
+    return Tokens(ids, zeros, top, top.astype(jnp.float32))
 
 
 class Prefix(NamedTuple):
@@ -62,7 +69,7 @@ class Prefix(NamedTuple):
     cache: KVCache  # one slot's keys and values
     logits: jax.Array  # [padded vocab] fp32 after the prompt's last token
     length: jax.Array  # the prompt's true length
-    nll: jax.Array  # [bucket] each prompt token's NLL (0 for the first, past the end, and if not asked for)
+    prompt: Tokens  # [bucket - 1] the prompt's tokens after the first, with log-probs if asked for
 
 
 class DecodeState(NamedTuple):
@@ -84,19 +91,23 @@ class DecodeState(NamedTuple):
 
 
 def prefill(
-    params: dict, tokens: jax.Array, length: jax.Array, *, model: ml_collections.ConfigDict, nll: bool
+    params: dict,
+    tokens: jax.Array,
+    length: jax.Array,
+    *,
+    model: ml_collections.ConfigDict,
+    vocab_size: int,
+    logprobs: bool,
 ) -> Prefix:
-    """`tokens` [bucket] (the prompt, then padding) of which the first `length` count. With `nll`,
-    also each prompt token's NLL, which costs the LM head over the whole prompt instead of once."""
+    """`tokens` [bucket] (the prompt, then padding) of which the first `length` count. With
+    `logprobs`, also each prompt token's log-prob (after the first) and the top alternatives, which
+    costs the LM head over the whole prompt instead of once."""
     empty = KVCache.empty(model, 1, tokens.shape[0])
-    if not nll:
+    if not logprobs:
         logits, cache = forward(params, tokens[None], model, cache=empty, logits_at=(length - 1)[None])
-        return Prefix(cache, logits[0, 0], length, jnp.zeros(tokens.shape[0]))
+        return Prefix(cache, logits[0, 0], length, _without_logprobs(tokens[1:]))
     logits, cache = forward(params, tokens[None], model, cache=empty)
-    log_probs = jax.nn.log_softmax(logits[0, :-1], axis=-1)
-    nll = -jnp.take_along_axis(log_probs, tokens[1:, None], axis=-1)[:, 0]
-    nll = jnp.where(jnp.arange(1, tokens.shape[0]) < length, nll, 0.0)
-    return Prefix(cache, logits[0, length - 1], length, jnp.concatenate([jnp.zeros(1), nll]))
+    return Prefix(cache, logits[0, length - 1], length, _tokens(logits[0, :-1], tokens[1:], vocab_size))
 
 
 def insert(prefix: Prefix, state: DecodeState, slot: jax.Array, sampling: Sampling, *, vocab_size: int):
@@ -131,9 +142,6 @@ def decode(params: dict, state: DecodeState, logprobs: jax.Array, *, model: ml_c
     tokens = sample(logits, state.sampling, state.generated, vocab_size)
     state = DecodeState(cache, tokens, positions + 1, state.generated + 1, state.sampling)
 
-    def without(logits, tokens):
-        zeros = jnp.zeros(tokens.shape, jnp.float32)
-        top = jnp.zeros((*tokens.shape, TOP_LOGPROBS), jnp.int32)
-        return Tokens(tokens, zeros, top, top.astype(jnp.float32))
-
-    return state, jax.lax.cond(logprobs, partial(_tokens, vocab_size=vocab_size), without, logits, tokens)
+    return state, jax.lax.cond(
+        logprobs, partial(_tokens, vocab_size=vocab_size), lambda _, ids: _without_logprobs(ids), logits, tokens
+    )

@@ -1,0 +1,444 @@
+"""The HTTP API as clients meet it: `python -m jaxllm.serve` on 127.0.0.1 serving a tiny model
+trained on real text, driven by the official `openai` client and by raw HTTP. Log-probs are
+checked against a full recompute of the checkpoint's params; every guard's status, message and
+metric; a flood of malformed requests leaves the server as it was."""
+
+import http.client
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+import openai
+import pytest
+from conftest import ROOT, checkpoint_params, device_env, run, train_command
+from prometheus_client.parser import text_string_to_metric_families
+
+from jaxllm.checkpoint import stored_config
+from jaxllm.data.tokenizer import load_saved_tokenizer
+from jaxllm.model.decoder import forward
+
+KEY, RATE_KEY = "key-main", "key-rate"
+BURST, SLOTS, QUEUE, MAX_LEN, MAX_PROMPT = 400, 8, 8, 256, 128
+PPL_ALARM = 1000  # the training corpus reads at a perplexity of ~100-200 here, random tokens at ~2000
+TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system messages here') }}{% endif %}"
+    "<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+)
+PROMPT = "def read_config(path):\n    with open(path) as f:\n"
+PROMPTS = ["import json\n", "class Parser:\n    def", "def main():\n    ", "    return self.", "from email import",
+           "    if not line:\n", "# Copyright", "def __init__(self"]  # fmt: skip
+
+
+class Client:
+    """Raw HTTP to the server, for what the openai client would refuse to send."""
+
+    def __init__(self, port: int):
+        self.port = port
+
+    def request(self, method, path, body=b"", key=KEY, headers=None):
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {}),
+                   **(headers or {})}  # fmt: skip
+        body = body if isinstance(body, bytes) else json.dumps(body).encode()
+        try:
+            connection.request(method, path, body, headers)
+        except (BrokenPipeError, ConnectionResetError):  # it answered before reading the whole body
+            pass
+        response = connection.getresponse()
+        data = response.read()
+        connection.close()
+        return response.status, json.loads(data) if data.startswith(b"{") else data, response.headers
+
+    def complete(self, body, **kwargs):
+        return self.request("POST", "/v1/completions", {"model": "tiny", **body}, **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        text = self.request("GET", "/metrics")[1].decode()
+        samples = (s for family in text_string_to_metric_families(text) for s in family.samples)
+        return {s.name + "".join(f"[{v}]" for v in s.labels.values()): s.value for s in samples}
+
+
+def wait_for(condition, timeout=60.0):
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A 40-step run on the stdlib's email and json sources, served with API keys, a deny-list,
+    a chat template file, a small queue and the perplexity alarm refusing."""
+    root = tmp_path_factory.mktemp("api")
+    workdir = root / "run"
+    run(train_command(workdir, "--config.train.steps=40", "--config.data.eval_every=40"))
+    (root / "keys").write_text(f"# keys\n{KEY}\n{RATE_KEY}\n")
+    (root / "deny").write_text("# refused\nforbidden\\s+word\n")
+    (root / "chat.jinja").write_text(TEMPLATE)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [
+        sys.executable, "-m", "jaxllm.serve", "--workdir", str(workdir), "--api-keys", str(root / "keys"),
+        "--deny", str(root / "deny"), "--chat-template", str(root / "chat.jinja"), f"--config.serve.port={port}",
+        f"--config.serve.slots={SLOTS}", f"--config.serve.max_len={MAX_LEN}",
+        f"--config.serve.max_prompt_tokens={MAX_PROMPT}", f"--config.serve.max_queue={QUEUE}",
+        "--config.serve.rate_per_s=2", f"--config.serve.burst={BURST}", f"--config.serve.ppl_alarm={PPL_ALARM}",
+        "--config.serve.ppl_reject=true", "--config.serve.model_name=tiny",
+    ]  # fmt: skip
+    log = root / "server.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen(command, cwd=ROOT, env=device_env(), stdout=out, stderr=subprocess.STDOUT)
+    client, statuses = Client(port), []
+
+    def healthy():
+        assert server.poll() is None, log.read_text()
+        try:
+            statuses.append(client.request("GET", "/health", key=None)[0])
+        except ConnectionRefusedError:
+            return False
+        return statuses[-1] == 200
+
+    try:
+        wait_for(healthy, timeout=300)
+        assert 503 in statuses, "/health said 200 before the engine had compiled"
+        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+        tokenizer = load_saved_tokenizer(workdir / "tokenizer")
+        yield {"client": client, "sdk": sdk, "workdir": workdir, "log": log, "port": port, "tokenizer": tokenizer}
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+@pytest.fixture(scope="module")
+def reference(served):
+    """Each position's log-probs by a full forward pass of the checkpoint's params, here."""
+    cfg = stored_config(served["workdir"])
+    params = checkpoint_params(served["workdir"], cfg.train.steps)
+    step = jax.jit(lambda tokens: jax.nn.log_softmax(forward(params, tokens[None], cfg.model)[0]))
+
+    def logprobs(ids):
+        padded = np.zeros(64, np.int32)  # one compile; causal, so the padding changes nothing before it
+        padded[: len(ids)] = ids
+        return np.asarray(step(padded))[: len(ids)]
+
+    return logprobs
+
+
+def greedy(sdk, prompt, n=16, **kwargs):
+    return sdk.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0, **kwargs)
+
+
+def test_greedy_text_and_logprobs_equal_a_full_recompute(served, reference):
+    """The echoed prompt's and each generated token's log-prob and top 5 equal the recompute's."""
+    tokenizer = served["tokenizer"]
+    ids = tokenizer.encode(PROMPT)
+    start = len(ids)
+    for _ in range(12):
+        ids.append(int(np.argmax(reference(ids)[-1])))
+    want = reference(ids)
+    done = greedy(served["sdk"], PROMPT, 12, logprobs=5, echo=True, extra_body={"ignore_eos": True})
+    choice = done.choices[0]
+    assert choice.text == PROMPT + tokenizer.decode(ids[start:])
+    got = choice.logprobs
+    assert got.token_logprobs[0] is None and len(got.token_logprobs) == len(ids)
+    np.testing.assert_allclose(got.token_logprobs[1:], want[np.arange(len(ids) - 1), ids[1:]], atol=2e-4)
+    for i in range(1, len(ids)):
+        top = sorted(got.top_logprobs[i].values(), reverse=True)
+        np.testing.assert_allclose(top, np.sort(want[i - 1])[::-1][: len(top)], atol=2e-4)
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (start, 12)
+
+
+def test_streamed_deltas_join_to_the_whole_text_and_usage(served):
+    sdk = served["sdk"]
+    whole = greedy(sdk, PROMPT, 20, logprobs=2)
+    chunks = list(greedy(sdk, PROMPT, 20, logprobs=2, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    streamed_tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed_tokens == whole.choices[0].logprobs.tokens
+    assert chunks[-1].usage.model_dump() == whole.usage.model_dump() and not chunks[-1].choices
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+
+    messages = [{"role": "user", "content": "Write a parser."}]
+    chat = sdk.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0)
+    stream = sdk.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0, stream=True)
+    deltas = [c.choices[0].delta for c in stream]
+    assert deltas[0].role == "assistant" and "".join(d.content or "" for d in deltas) == chat.choices[0].message.content
+
+
+def test_chat_renders_the_template_file(served):
+    """A chat completion equals the completion of the template's rendering; the template's own
+    refusal (a system message) is a 422 with its message."""
+    sdk = served["sdk"]
+    parts = [{"type": "text", "text": "Now "}, {"type": "text", "text": "the body."}]
+    messages = [{"role": "user", "content": "Parse this header."}, {"role": "assistant", "content": "OK"},
+                {"role": "user", "content": parts}]  # fmt: skip
+    chat = sdk.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0, logprobs=True,
+                                       top_logprobs=3)  # fmt: skip
+    rendered = "<user>Parse this header.\n<assistant>OK\n<user>Now the body.\n<assistant>"
+    plain = greedy(sdk, rendered, 16, logprobs=3)
+    assert chat.choices[0].message.content == plain.choices[0].text
+    assert [t.token for t in chat.choices[0].logprobs.content] == plain.choices[0].logprobs.tokens
+    assert chat.usage.prompt_tokens == plain.usage.prompt_tokens
+    with pytest.raises(openai.UnprocessableEntityError, match="no system messages here"):
+        sdk.chat.completions.create(model="tiny", messages=[{"role": "system", "content": "Be brief."}])
+
+
+def test_stop_string_spanning_a_token_boundary(served):
+    """A stop string made of one token's last character and the next one's first ends the text
+    just before it, streamed or not."""
+    sdk = served["sdk"]
+    full = greedy(sdk, PROMPT, 32, logprobs=0, extra_body={"ignore_eos": True}).choices[0]
+    tokens, text = full.logprobs.tokens, full.text
+    for k in range(len(tokens) - 1):
+        stop = tokens[k][-1:] + tokens[k + 1][:1]
+        cut = sum(len(t) for t in tokens[: k + 1]) - 1
+        if len(stop) == 2 and text.find(stop) == cut:
+            break
+    else:
+        pytest.fail(f"no stop string spans a token boundary in {tokens}")
+    go_on = {"ignore_eos": True}
+    stopped = greedy(sdk, PROMPT, 32, stop=[stop], extra_body=go_on).choices[0]
+    assert (stopped.text, stopped.finish_reason) == (text[:cut], "stop")
+    streamed = greedy(sdk, PROMPT, 32, stop=stop, stream=True, extra_body=go_on)
+    assert "".join(c.choices[0].text for c in streamed) == text[:cut]
+
+
+def test_a_list_of_prompts_gives_each_its_choices(served):
+    """Prompt p's choice c has index p * n + c and is what the prompt gives alone."""
+    sdk, tokenizer = served["sdk"], served["tokenizer"]
+    prompts = [tokenizer.encode(PROMPT), tokenizer.encode(PROMPTS[0])]
+    both = sdk.completions.create(model="tiny", prompt=prompts, max_tokens=10, n=2, seed=3, temperature=0.9)
+    for p, prompt in enumerate(prompts):
+        alone = sdk.completions.create(model="tiny", prompt=prompt, max_tokens=10, n=2, seed=3, temperature=0.9)
+        want = {c.index: c.text for c in alone.choices}
+        assert {c.index - 2 * p: c.text for c in both.choices if c.index // 2 == p} == want
+    assert both.usage.prompt_tokens == len(prompts[0]) + len(prompts[1])
+
+
+def test_readme_examples_run_against_the_server(served):
+    """The README's curl and openai-client examples, pointed at this server and its key."""
+    readme = (ROOT / "README.md").read_text()
+    port, auth = served["port"], f"-H 'Authorization: Bearer {KEY}'"
+    curl = re.search(r"<!-- curl-snippet -->\n```bash\n(.*?)```", readme, re.S).group(1)
+    curl = curl.replace("8000", str(port)).replace("curl ", f"curl {auth} ")
+    out = subprocess.run(["bash", "-euo", "pipefail", "-c", curl], capture_output=True, text=True, check=True).stdout
+    assert '"object":"text_completion"' in out and out.rstrip().endswith("data: [DONE]")
+    client = re.search(r"<!-- openai-snippet -->\n```python\n(.*?)```", readme, re.S).group(1)
+    client = client.replace("8000", str(port)).replace('"unused-without-keys"', repr(KEY))
+    out = subprocess.run([sys.executable, "-c", client], capture_output=True, text=True, check=True).stdout
+    assert out
+
+
+def test_n_choices_and_seeds(served):
+    sdk = served["sdk"]
+
+    def sample(seed):
+        done = sdk.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, n=3, seed=seed, temperature=1.0)
+        return [c.text for c in sorted(done.choices, key=lambda c: c.index)]
+
+    first = sample(5)
+    assert sample(5) == first and sample(6) != first and len(set(first)) > 1
+
+
+def _concurrent(served, bodies, stagger=0.02):
+    results = [None] * len(bodies)
+
+    def send(i):
+        time.sleep(i * stagger)
+        results[i] = served["client"].complete(bodies[i])
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_eight_concurrent_requests_equal_each_alone(served):
+    """Greedy and seeded requests with staggered starts decode together (a step with at least 5
+    busy slots) and give what each gives alone."""
+    client = served["client"]
+    bodies = [{"prompt": p, "max_tokens": 40, "ignore_eos": True, "temperature": 0.0 if i % 2 else 0.8, "seed": i}
+              for i, p in enumerate(PROMPTS)]  # fmt: skip
+    alone = [client.complete(b)[1]["choices"][0]["text"] for b in bodies]
+    before = client.metrics()
+    together = _concurrent(served, bodies)
+    assert [r[1]["choices"][0]["text"] for r in together] == alone
+    after = client.metrics()
+    wide = [m["jaxllm_decode_step_slots_count"] - m["jaxllm_decode_step_slots_bucket[4.0]"] for m in (before, after)]
+    assert wide[1] > wide[0], "no decode step had 5 or more busy slots"
+
+
+def _error(status, body, want_status, pattern, code=None):
+    assert status == want_status, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"} and re.search(pattern, error["message"]), error
+    assert code is None or error["code"] == code, error
+
+
+# (name, method, path, body, key, status, message pattern, error code, metric reason)
+GUARDS = [
+    ("too large", "POST", "/v1/completions", b"x" * (10 << 20), KEY, 413, r"1048576 bytes \(serve.max_body_bytes\)",
+     "request_too_large", "body_too_large"),
+    ("no key", "GET", "/v1/models", b"", None, 401, "Authorization: Bearer", "invalid_api_key", "auth"),
+    ("wrong key", "POST", "/v1/completions", {"model": "tiny", "prompt": "x"}, "nope", 401, "API key",
+     "invalid_api_key", "auth"),
+    ("bad json", "POST", "/v1/completions", b'{"model": "tiny", "prompt":', KEY, 400, "not JSON", "invalid_json",
+     "bad_json"),
+    ("bad utf-8", "POST", "/v1/completions", b'{"model": "tiny", "prompt": "\xff\xfe"}', KEY, 400, "not JSON",
+     "invalid_json", "bad_json"),
+    ("deep nesting", "POST", "/v1/completions", b"[" * 100000 + b"]" * 100000, KEY, 400, "recursion",
+     "invalid_json", "bad_json"),
+    ("not an object", "POST", "/v1/completions", b"[1, 2]", KEY, 422, "JSON list", None, "invalid"),
+    ("nan", "POST", "/v1/completions", b'{"model": "tiny", "prompt": "x", "temperature": NaN}', KEY, 422,
+     "^temperature: .*finite", "invalid_value", "invalid"),
+    ("wrong type", "POST", "/v1/completions", {"model": "tiny", "prompt": {"a": 1}}, KEY, 422, "^prompt",
+     "invalid_value", "invalid"),
+    ("lone surrogate", "POST", "/v1/completions", b'{"model": "tiny", "prompt": "a\\ud800"}', KEY, 422,
+     "lone surrogate", "invalid_value", "invalid"),
+    ("id out of vocab", "POST", "/v1/completions", {"model": "tiny", "prompt": [5, 512]}, KEY, 422, r"\[0, 512\)",
+     "invalid_value", "invalid"),
+    ("negative id", "POST", "/v1/completions", {"model": "tiny", "prompt": [-1]}, KEY, 422, r"\[0, 512\)",
+     "invalid_value", "invalid"),
+    ("huge n", "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "n": 10**12}, KEY, 422,
+     r"n=1000000000000 .*8 slots", "invalid_value", "invalid"),
+    ("huge max_tokens", "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 10**12}, KEY,
+     422, rf"1000000000000.*{MAX_PROMPT}.*{MAX_LEN}", "context_length_exceeded", "context_length"),
+    ("long prompt", "POST", "/v1/completions", {"model": "tiny", "prompt": [7] * 200, "max_tokens": 3}, KEY, 422,
+     rf"200 tokens and max_tokens is 3.*{MAX_PROMPT}.*{MAX_LEN}", "context_length_exceeded", "context_length"),
+    ("unknown model", "POST", "/v1/completions", {"model": "gpt-9", "prompt": "x"}, KEY, 404, "'gpt-9' is not served",
+     "model_not_found", "unknown_model"),
+    ("logit_bias", "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "logit_bias": {"5": 3}}, KEY, 422,
+     "^logit_bias is not supported", "unsupported_field", "unsupported_field"),
+    ("penalty", "POST", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+     "frequency_penalty": 0.5}, KEY, 422, "^frequency_penalty", "unsupported_field", "unsupported_field"),
+    ("tools", "POST", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+     "tools": [{"type": "function"}]}, KEY, 422, "^tools", "unsupported_field", "unsupported_field"),
+    ("json mode", "POST", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+     "response_format": {"type": "json_object"}}, KEY, 422, "^response_format", "unsupported_field",
+     "unsupported_field"),
+    ("best_of", "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "best_of": 3}, KEY, 422, "^best_of",
+     "unsupported_field", "unsupported_field"),
+    ("tool role", "POST", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "tool", "content": "x"}]},
+     KEY, 422, "^messages.0.role", "invalid_value", "invalid"),
+    ("image", "POST", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": [
+     {"type": "image_url", "image_url": {"url": "x"}}]}]}, KEY, 422, "^messages.0.content", "invalid_value",
+     "invalid"),
+    ("deny-list", "POST", "/v1/completions", {"model": "tiny", "prompt": "say ＦＯＲＢＩＤＤＥＮ\tWord now"}, KEY, 400,
+     "content policy", "content_policy_violation", "deny_list"),
+    ("deny-list ids", "POST", "/v1/completions", {"model": "tiny", "prompt": "TOKENS:forbidden word"}, KEY, 400,
+     "content policy", "content_policy_violation", "deny_list"),
+    ("no route", "GET", "/v1/engines", b"", KEY, 404, "Not Found", None, "no_route"),
+]  # fmt: skip
+
+
+def _send(served, guard):
+    name, method, path, body, key, *_ = guard
+    if isinstance(body, dict) and body.get("prompt") == "TOKENS:forbidden word":  # the same text as token ids
+        body = {**body, "prompt": served["tokenizer"].encode("forbidden word")}
+    return served["client"].request(method, path, body, key=key)
+
+
+@pytest.mark.parametrize("guard", GUARDS, ids=[g[0] for g in GUARDS])
+def test_guard_answers_with_its_status_message_and_metric(served, guard):
+    *_, status, pattern, code, reason = guard
+    client = served["client"]
+    before = client.metrics().get(f"jaxllm_rejections_total[{reason}]", 0)
+    _error(*_send(served, guard)[:2], status, pattern, code)
+    assert client.metrics()[f"jaxllm_rejections_total[{reason}]"] == before + 1
+
+
+def test_rate_limit_answers_429_with_retry_after(served):
+    """RATE_KEY spends its burst; the next request waits, whatever the other key does."""
+    client = served["client"]
+    statuses = []
+    while len(statuses) < BURST + 20 and (not statuses or statuses[-1][0] == 200):
+        statuses.append(client.request("GET", "/v1/models", key=RATE_KEY))
+    status, body, headers = statuses[-1]
+    _error(status, body, 429, r"2 per second, 400 at once \(serve.rate_per_s, serve.burst\)", "rate_limit_exceeded")
+    assert len(statuses) > BURST and int(headers["Retry-After"]) >= 1
+    assert client.request("GET", "/v1/models")[0] == 200
+    assert client.metrics()["jaxllm_rejections_total[rate_limited]"] >= 1
+
+
+def test_perplexity_alarm_refuses_with_a_metric_and_a_logged_request_id(served, reference):
+    gibberish = np.random.default_rng(0).integers(0, 512, 60).tolist()
+    nll = -reference(gibberish)[np.arange(59), gibberish[1:]]
+    assert np.exp(nll.mean()) > PPL_ALARM  # the recompute agrees this prompt passes the alarm
+    client = served["client"]
+    alarms = client.metrics().get("jaxllm_perplexity_alarms_total", 0)
+    status, body, headers = client.complete({"prompt": gibberish, "max_tokens": 4})
+    _error(status, body, 400, r"perplexity \(\d+\.\d whole.*limit of 1000 \(serve.ppl_alarm\)", "perplexity_alarm")
+    assert client.metrics()["jaxllm_perplexity_alarms_total"] == alarms + 1
+    assert f"perplexity alarm: request {headers['X-Request-Id']}" in served["log"].read_text()
+    assert client.complete({"prompt": PROMPT, "max_tokens": 4})[0] == 200
+
+
+def _open_stream(served, max_tokens=200):
+    """A streamed completion whose response is left unread; returns the connection."""
+    connection = http.client.HTTPConnection("127.0.0.1", served["port"], timeout=60)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    connection.request("POST", "/v1/completions", json.dumps(body), {"Authorization": f"Bearer {KEY}"})
+    return connection
+
+
+def _idle(client):
+    m = client.metrics()
+    return m["jaxllm_active_slots"] == 0 and m["jaxllm_queue_depth"] == 0
+
+
+def test_full_queue_answers_503_and_closed_streams_free_their_slots(served):
+    client = served["client"]
+    streams = [_open_stream(served) for _ in range(SLOTS + QUEUE)]
+    wait_for(lambda: client.metrics()["jaxllm_queue_depth"] == QUEUE)
+    busy = client.metrics()
+    assert busy["jaxllm_active_slots"] == SLOTS and 0 < busy["jaxllm_kv_cache_usage"] <= 1
+    status, body, headers = client.complete({"prompt": "x", "max_tokens": 2})
+    _error(status, body, 503, rf"all {QUEUE} queue places are taken \(serve.max_queue\)", "queue_full")
+    assert int(headers["Retry-After"]) >= 1
+    steps = client.metrics()["jaxllm_decode_step_slots_count"]
+    for connection in streams:
+        connection.close()
+    wait_for(lambda: _idle(client))
+    # The queued requests each ran a step or so before their closed connections were noticed;
+    # had the streams run on, 2 x 200 tokens would have taken 400 steps.
+    assert client.metrics()["jaxllm_decode_step_slots_count"] - steps < 100
+
+
+def _server_errors(client) -> float:
+    return sum(v for k, v in client.metrics().items() if re.match(r"jaxllm_requests_total\[.*\]\[5\d\d\]", k))
+
+
+def test_malformed_flood_leaves_the_server_as_it_was(served):
+    """Over 200 malformed requests of every kind: no 5xx, then healthy, idle, same greedy text."""
+    client = served["client"]
+    before = greedy(served["sdk"], PROMPT, 16).choices[0].text
+    errors = _server_errors(client)
+    flood = [g for g in GUARDS if g[0] != "too large"] * 8 + [g for g in GUARDS if g[0] == "too large"] * 2
+    for guard in flood:
+        status = _send(served, guard)[0]
+        assert status == guard[5], guard[0]
+    assert len(flood) >= 200
+    assert _server_errors(client) == errors
+    assert client.request("GET", "/health", key=None)[0] == 200
+    wait_for(lambda: _idle(client))
+    assert greedy(served["sdk"], PROMPT, 16).choices[0].text == before
+
+
+def test_models_and_health_through_the_openai_client(served):
+    sdk = served["sdk"]
+    assert [m.id for m in sdk.models.list()] == ["tiny"]
+    assert served["client"].metrics()["jaxllm_engine_up"] == 1
+    wrong = openai.OpenAI(base_url=f"http://127.0.0.1:{served['port']}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        sdk.completions.create(model="gpt-9", prompt="x")
