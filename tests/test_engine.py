@@ -16,13 +16,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import checkpoint_params, small_config, stdlib_glob
+from starlette.testclient import TestClient
 
 from jaxllm.data.corpus import read_documents, resolve_inputs
 from jaxllm.data.tokenizer import get_tokenizer, save_tokenizer, train_bpe
 from jaxllm.model.decoder import forward
 from jaxllm.parallel.mesh import make_mesh
+from jaxllm.serve.api import Server, create_app
+from jaxllm.serve.chat import ChatTemplate
 from jaxllm.serve.engine import Request, RequestError, Unavailable
+from jaxllm.serve.guards import DenyList
 from jaxllm.serve.load import load_engine
+from jaxllm.serve.metrics import Metrics
 from jaxllm.serve.steps import bucket_for, prefill, prompt_buckets
 from jaxllm.train.run import batch_sharding, build_run
 from jaxllm.train.step import compile_train_step, init_state
@@ -253,6 +258,14 @@ def test_engine_thread_serves_until_a_step_fails_then_ends_every_request(trained
             generation.choices(timeout=10)
     with pytest.raises(Unavailable, match="the engine has stopped"):
         engine.submit(Request([5], 2))
+    # What the HTTP server then answers: unhealthy, and 503 to requests.
+    server = Server(engine.cfg.serve, "m", engine.tokenizer, ChatTemplate(), DenyList([]), frozenset(), Metrics(1))
+    server.engine = engine
+    http = TestClient(create_app(server))
+    health = http.get("/health")
+    assert (health.status_code, health.json()["status"]) == (503, "stopped")
+    refused = http.post("/v1/completions", json={"model": "m", "prompt": [5]})
+    assert refused.status_code == 503 and "restart the server" in refused.json()["error"]["message"]
 
 
 def test_serving_imports_nothing_of_training():
