@@ -392,10 +392,10 @@ def test_perplexity_alarm_refuses_with_a_metric_and_a_logged_request_id(served, 
     assert client.complete({"prompt": PROMPT, "max_tokens": 4})[0] == 200
 
 
-def _open_stream(served, max_tokens=200):
-    """A streamed completion whose response is left unread; returns the connection."""
+def _send_unread(served, stream: bool, max_tokens=200):
+    """A completion whose response is left unread; returns the connection."""
     connection = http.client.HTTPConnection("127.0.0.1", served["port"], timeout=60)
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "stream": stream, "ignore_eos": True}
     connection.request("POST", "/v1/completions", json.dumps(body), {"Authorization": f"Bearer {KEY}"})
     return connection
 
@@ -405,9 +405,11 @@ def _idle(client):
     return m["jaxllm_active_slots"] == 0 and m["jaxllm_queue_depth"] == 0
 
 
-def test_full_queue_answers_503_and_closed_streams_free_their_slots(served):
+def test_full_queue_answers_503_and_clients_that_leave_free_their_slots(served):
+    """Streamed and whole requests, running or queued: when their clients close the connection,
+    their slots and queue places are freed within a step or so."""
     client = served["client"]
-    streams = [_open_stream(served) for _ in range(SLOTS + QUEUE)]
+    streams = [_send_unread(served, stream=i % 2 == 0) for i in range(SLOTS + QUEUE)]
     wait_for(lambda: client.metrics()["jaxllm_queue_depth"] == QUEUE)
     busy = client.metrics()
     assert busy["jaxllm_active_slots"] == SLOTS and 0 < busy["jaxllm_kv_cache_usage"] <= 1
@@ -420,8 +422,7 @@ def test_full_queue_answers_503_and_closed_streams_free_their_slots(served):
     for connection in streams:
         connection.close()
     wait_for(lambda: _idle(client))
-    # The queued requests each ran a step or so before their closed connections were noticed;
-    # had the streams run on, 2 x 200 tokens would have taken 400 steps.
+    # Had the requests run on, 2 x 200 tokens in 8 slots would have taken 400 steps.
     assert client.metrics()["jaxllm_decode_step_slots_count"] - steps < 100
 
 

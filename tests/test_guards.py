@@ -66,15 +66,15 @@ def test_builtin_chat_template_is_the_documented_transcript():
 
 def test_chat_template_file_errors(tmp_path):
     template = tmp_path / "chat.jinja"
-    template.write_text("{{ eos_token }}{% for m in messages %}{{ m.content }}{% if m.role == 'tool' %}"
+    template.write_text("{{ bos_token }}{% for m in messages %}{{ m.content }}{% if m.role == 'tool' %}"
                         "{{ raise_exception('no tools') }}{% endif %}{% endfor %}")  # fmt: skip
-    chat = ChatTemplate.from_file(str(template), "<eos>")
-    assert chat.render([{"role": "user", "content": "x"}]) == "<eos>x"
+    chat = ChatTemplate.from_file(str(template), {"bos_token": "<s>", "eos_token": "</s>"})
+    assert chat.render([{"role": "user", "content": "x"}]) == "<s>x"
     with pytest.raises(RequestError, match="no tools"):
         chat.render([{"role": "tool", "content": "x"}])
     template.write_text("{% for m in messages %}{{ m.content / 2 }}{% endfor %}")
     with pytest.raises(ConfigError, match=f"--chat-template {template} does not render a one-message chat"):
-        ChatTemplate.from_file(str(template), "")
+        ChatTemplate.from_file(str(template), {})
     template.write_text("{% for m in messages %}")
     with pytest.raises(ConfigError, match="does not render"):
-        ChatTemplate.from_file(str(template), "")
+        ChatTemplate.from_file(str(template), {})

@@ -42,12 +42,16 @@ def complete_prompts(path: str, cfg, tokenizer) -> None:
         print(f"--- {prompt!r} ({choice.finish_reason}, {len(choice.tokens)} tokens)\n{prompt}{choice.text}")
 
 
+def special_tokens(tokenizer) -> dict[str, str]:
+    return {"bos_token": tokenizer.decode([tokenizer.bos_id]), "eos_token": tokenizer.decode([tokenizer.eos_id])}
+
+
 def serve_http(path: str, cfg, tokenizer) -> None:
     """Listens at once; loads and compiles in a thread that then steps the engine until shutdown."""
     s = cfg.serve
     server = Server(
         s, s.model_name or pathlib.Path(path).absolute().name, tokenizer,
-        ChatTemplate.from_file(CHAT_TEMPLATE.value, tokenizer.decode([tokenizer.eos_id])),
+        ChatTemplate.from_file(CHAT_TEMPLATE.value, special_tokens(tokenizer)),
         DenyList.from_file(DENY.value), load_api_keys(API_KEYS.value), Metrics(s.slots),
     )  # fmt: skip
     http = uvicorn.Server(uvicorn.Config(create_app(server), s.host, s.port, log_level="warning"))

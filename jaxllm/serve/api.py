@@ -15,7 +15,8 @@ import hmac
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 import ml_collections
 from fastapi import FastAPI
@@ -34,6 +35,7 @@ from jaxllm.serve.guards import DenyList, RateLimiter
 from jaxllm.serve.metrics import Metrics
 
 log = logging.getLogger("jaxllm.serve")
+T = TypeVar("T")
 
 ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable"}
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
@@ -296,13 +298,39 @@ class _Chat:
                 "logprobs": self._logprobs(delta.logprobs)}  # fmt: skip
 
 
-async def _respond(server: Server, job: _Job, stream: bool) -> Response:
-    streams = await server.started(job.id, job.generations)
+class _ClientGone(Exception):
+    """The client closed its connection while its request waited or ran."""
+
+
+async def _unless_gone(request: HttpRequest, work: Awaitable[T]) -> T:
+    """`work`'s result; if the client disconnects first, `work` is cancelled and `_ClientGone` raised."""
+    task = asyncio.ensure_future(work)
+    while not (await asyncio.wait({task}, timeout=0.25))[0]:
+        if await request.is_disconnected():
+            task.cancel()
+            raise _ClientGone
+    return task.result()
+
+
+async def _drain(streams: list[AsyncIterator[Delta]]) -> None:
+    for deltas in streams:
+        async for _ in deltas:
+            pass
+
+
+async def _respond(server: Server, request: HttpRequest, job: _Job, stream: bool) -> Response:
+    """The response, streamed or whole. A client that leaves before its stream starts, or before
+    its whole response is ready, frees its slots (and queue places) at once."""
+    try:
+        streams = await _unless_gone(request, server.started(job.id, job.generations))
+        if not stream:
+            await _unless_gone(request, _drain(streams))
+    except _ClientGone:
+        for g in job.generations:
+            g.cancel()
+        return Response(status_code=499)  # nginx's "client closed request", for the metrics only
     model = server.model_name
     if not stream:
-        for deltas in streams:
-            async for _ in deltas:
-                pass
         server.finished(job.generations)
         choices = [
             job.api.choice(i, g, job.choice_index(i, c), choice)
@@ -449,7 +477,7 @@ def create_app(server: Server) -> FastAPI:
         generations = server.submit(engine, requests, [p if isinstance(p, str) else None for p in prompts])
         api = _Completions(server, body, ids)
         job = _Job(f"cmpl-{uuid.uuid4().hex}", "text_completion", api, generations, body.include_usage)
-        return await _respond(server, job, body.stream)
+        return await _respond(server, request, job, body.stream)
 
     @app.post("/v1/chat/completions")
     async def chat(request: HttpRequest) -> Response:
@@ -468,6 +496,6 @@ def create_app(server: Server) -> FastAPI:
         job = _Job(
             f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", _Chat(server, body), generations, body.include_usage
         )
-        return await _respond(server, job, body.stream)
+        return await _respond(server, request, job, body.stream)
 
     return app

@@ -1,6 +1,7 @@
 """Chat messages → one prompt, by a Jinja template in a sandbox: the built-in one, or a file
 (`--chat-template`) written to the Hugging Face convention, which sees `messages` (each with
-`role` and `content`), `add_generation_prompt`, `eos_token` and `raise_exception(message)`.
+`role` and `content`), `add_generation_prompt`, `bos_token`, `eos_token` and
+`raise_exception(message)`.
 
 The built-in template is a plain transcript, one `role: content` line per message, ending with
 `assistant:` for the model to continue; it suits a model trained on plain text."""
@@ -26,29 +27,32 @@ def _raise(message: str):
 
 
 class ChatTemplate:
-    def __init__(self, source: str = BUILTIN, eos_token: str = "", origin: str = "the built-in chat template"):
+    def __init__(
+        self, source: str = BUILTIN, tokens: dict[str, str] | None = None, origin: str = "the built-in chat template"
+    ):
+        """`tokens`: the special tokens' text, `bos_token` and `eos_token`."""
         env = ImmutableSandboxedEnvironment(keep_trailing_newline=True)
         try:
             self.template = env.from_string(source)
-            self.eos_token = eos_token
+            self.tokens = tokens or {}
             self.render([{"role": "user", "content": "Hello"}])
         except (jinja2.TemplateError, RequestError) as e:
             raise ConfigError(f"{origin} does not render a one-message chat: {e}; fix the template") from e
 
     @classmethod
-    def from_file(cls, path: str | None, eos_token: str) -> ChatTemplate:
+    def from_file(cls, path: str | None, tokens: dict[str, str]) -> ChatTemplate:
         if path is None:
-            return cls(eos_token=eos_token)
+            return cls(tokens=tokens)
         file = pathlib.Path(path)
         if not file.is_file():
             raise ConfigError(f"--chat-template {path}: no such file; give a Jinja template")
-        return cls(file.read_text(), eos_token, f"--chat-template {path}")
+        return cls(file.read_text(), tokens, f"--chat-template {path}")
 
     def render(self, messages: list[dict]) -> str:
         """The prompt for `messages`; `RequestError` if the template refuses them."""
         try:
             return self.template.render(
-                messages=messages, add_generation_prompt=True, eos_token=self.eos_token, raise_exception=_raise
+                messages=messages, add_generation_prompt=True, raise_exception=_raise, **self.tokens
             )
         except RequestError:
             raise
