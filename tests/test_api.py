@@ -446,6 +446,18 @@ def test_malformed_flood_leaves_the_server_as_it_was(served):
     assert greedy(served["sdk"], PROMPT, 16).choices[0].text == before
 
 
+def test_a_port_in_use_is_refused_before_loading(served):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [sys.executable, "-m", "jaxllm.serve", "--workdir", str(served["workdir"]),
+                   f"--config.serve.port={port}"]  # fmt: skip
+        refused = run(command, check=False)
+    assert refused.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port} (Address already in use); free the port" in refused.stderr
+
+
 def test_models_and_health_through_the_openai_client(served):
     sdk = served["sdk"]
     assert [m.id for m in sdk.models.list()] == ["tiny"]

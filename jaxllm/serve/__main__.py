@@ -3,7 +3,9 @@ the model over HTTP (OpenAI's API) on serve.host:serve.port. The server answers 
 is 503 until every step has compiled). With `--prompt`, completes the prompts and exits instead."""
 
 import logging as std_logging
+import os
 import pathlib
+import socket
 import threading
 
 import uvicorn
@@ -54,7 +56,14 @@ def serve_http(path: str, cfg, tokenizer) -> None:
         ChatTemplate.from_file(CHAT_TEMPLATE.value, special_tokens(tokenizer)),
         DenyList.from_file(DENY.value), load_api_keys(API_KEYS.value), Metrics(s.slots),
     )  # fmt: skip
-    http = uvicorn.Server(uvicorn.Config(create_app(server), s.host, s.port, log_level="warning"))
+    try:
+        listening = socket.create_server((s.host, s.port))
+    except OSError as e:
+        raise ConfigError(
+            f"cannot listen on {s.host}:{s.port} ({os.strerror(e.errno)}); free the port or choose another with "
+            "--config.serve.port (and --config.serve.host)"
+        ) from e
+    http = uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning"))
     stop, failure = threading.Event(), []
 
     def run_engine() -> None:
@@ -72,7 +81,7 @@ def serve_http(path: str, cfg, tokenizer) -> None:
     engine.start()
     auth = f"{len(server.api_keys)} API keys" if server.api_keys else "no API keys (authentication off)"
     print(f"serve: listening on http://{s.host}:{s.port} with {auth}; compiling", flush=True)
-    http.run()
+    http.run(sockets=[listening])
     stop.set()
     if failure:
         raise failure[0]

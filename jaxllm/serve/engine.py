@@ -154,7 +154,7 @@ class Generation:
     def _emit(self, event: Delta | None) -> None:
         if self._loop is None:
             self._events.put(event)
-        else:
+        elif not self._loop.is_closed():  # closed: the server has shut down, and no one reads
             self._loop.call_soon_threadsafe(self._events.put_nowait, event)
 
     def _push(self, choice: int, token: int, logprob: Logprob | None) -> bool:
