@@ -78,16 +78,17 @@ def document_mask(segment_ids: jax.Array | None, length: int) -> jax.Array:
     return attention_mask(index, index, segments, segments)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, kv_layout: str = "bskd") -> jax.Array:
     """Grouped-query attention as einsums under an explicit mask (keys of any length).
-    q: [b, t, heads, d]; k, v: [b, s, kv_heads, d]; mask: [b, 1, t, s]. Softmax in fp32."""
+    q: [b, t, heads, d]; k, v: [b, s, kv_heads, d], or [b, kv_heads, s, d] with `kv_layout`
+    "bksd" (a KV cache's); mask: [b, 1, t, s]. Softmax in fp32."""
     b, t, nh, d = q.shape
-    kv = k.shape[2]
+    kv = k.shape[kv_layout.index("k")]
     q = q.reshape(b, t, kv, nh // kv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(d)
+    scores = jnp.einsum(f"btkgd,{kv_layout}->bkgts", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(d)
     scores = jnp.where(mask[:, :, None], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    out = jnp.einsum(f"bkgts,{kv_layout}->btkgd", probs, v)
     return out.reshape(b, t, nh, d)
 
 
@@ -176,14 +177,8 @@ def cached_attention(
     caller to store."""
     q, k, v = _project_qkv(x, qkv, rope)
     keys, values = _write_positions(keys, k, positions[:, 0]), _write_positions(values, v, positions[:, 0])
-    b, t, heads, d = q.shape
-    kv, length = keys.shape[1], keys.shape[2]
-    q = q.reshape(b, t, kv, heads // kv, d)
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, keys.astype(q.dtype), preferred_element_type=jnp.float32)
-    causal = jnp.arange(length)[None, None] <= positions[:, :, None]  # [b, t, max_len]
-    scores = jnp.where(causal[:, None, None], scores / jnp.sqrt(d), NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    ctx = jnp.einsum("bkgts,bksd->btkgd", probs, values.astype(v.dtype)).reshape(b, t, heads, d)
+    causal = jnp.arange(keys.shape[2])[None, None] <= positions[:, :, None]  # [b, t, max_len]
+    ctx = attend(q, keys.astype(q.dtype), values.astype(v.dtype), causal[:, None], kv_layout="bksd")
     out = jnp.einsum("bthd,hde->bte", ctx, o_proj.astype(x.dtype))
     # The new entries are handed back as read from the updated slice, not as projected: the
     # caller's write into the whole cache then depends on this read of it, so the compiler can
