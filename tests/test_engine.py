@@ -1,7 +1,8 @@
 """The serving engine, loaded from a checkpoint trained with a 2-stage pipeline onto tensor-parallel
 meshes of 1, 2 and 4 devices: at each of 24 decode steps every request's log-probs equal a full
 recompute on one device; a request generates the same tokens alone as among seven others that join
-at staggered steps, greedy and sampled; the decode step updates its donated cache in place."""
+at staggered steps, greedy and sampled; the decode step updates its donated cache in place. Behind
+the HTTP app in-process: the perplexity alarm without refusing, and an engine whose step failed."""
 
 import math
 import re
@@ -150,6 +151,37 @@ def _check_prompt_logprobs(generation, want, tensor):
     whole = np.exp(nll.mean()) if len(nll) else 1.0
     np.testing.assert_allclose(generation.perplexity, (whole, whole), rtol=1e-5)  # prompts shorter than a window
     assert generation.alarm == (tensor == 1 and whole > PPL_ALARM)
+
+
+def test_prompts_over_the_alarm_are_served_counted_and_logged_unless_refused(engines, caplog):
+    """On 1 device the alarm is on (serve.ppl_alarm) without serve.ppl_reject: through HTTP,
+    every prompt is served, and those whose perplexity (from their echoed log-probs) passes the
+    alarm are counted and logged with their request id."""
+    engine = engines(1)
+    server = Server(engine.cfg.serve, "m", engine.tokenizer, ChatTemplate(), DenyList([]), frozenset(), Metrics(8))
+    server.engine = engine
+    stop = threading.Event()
+    thread = threading.Thread(target=engine.serve_forever, args=(stop,))
+    thread.start()
+    rng, alarmed = np.random.default_rng(5), []
+    try:
+        with TestClient(create_app(server)) as http:
+            for length in (4, 8, 12, 16) * 3:
+                body = {"model": "m", "prompt": rng.integers(0, 300, length).tolist(), "max_tokens": 2, "echo": True,
+                        "logprobs": 0, "temperature": 0}  # fmt: skip
+                response = http.post("/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+                scored = response.json()["choices"][0]["logprobs"]["token_logprobs"][1:length]
+                if np.exp(-np.mean(scored)) > PPL_ALARM:
+                    alarmed.append(response.headers["X-Request-Id"])
+            metrics = http.get("/metrics").text
+    finally:
+        stop.set()
+        thread.join()
+    assert 0 < len(alarmed) < 12  # both kinds were sent
+    assert f"jaxllm_perplexity_alarms_total {float(len(alarmed))}" in metrics
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("perplexity alarm")]
+    assert [line.split()[3].rstrip(",") for line in logged] == alarmed
 
 
 def test_n_choices_share_one_prefill_and_differ_by_choice(trained, engines):

@@ -5,7 +5,8 @@ Every `/v1` request passes the guards in order: body size (413), API key (401), 
 bucket (429), JSON (400), fields (422), model (404), the engine's limits (422), the deny-list
 (400) and a full queue (503); after the prefill, the perplexity alarm (400 if it refuses). Each
 refusal has OpenAI's error body and is counted by reason. The engine steps in a thread of its
-own; a request's tokens reach its handler on the event loop as they are decoded."""
+own; a request's tokens reach its handler on the event loop as they are decoded. Tokenizing runs
+in worker threads, so a long prompt does not hold up the other streams."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from jaxllm.data.tokenizer import Tokenizer
@@ -472,7 +474,9 @@ def create_app(server: Server) -> FastAPI:
         if body.echo and body.logprobs is not None and not server.settings.prompt_nll:
             raise ApiError(422, "echo with logprobs needs the prompt's log-probs: start the server with "
                            "--config.serve.prompt_nll=true", "invalid", "invalid_value", "echo")  # fmt: skip
-        ids = [server.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        texts = [p for p in prompts if isinstance(p, str)]
+        encoded = iter(await run_in_threadpool(server.tokenizer.encode_batch, texts) if texts else [])
+        ids = [next(encoded) if isinstance(p, str) else p for p in prompts]
         requests = [body.request(p, _max_tokens(body.max_tokens, engine, p), body.logprobs) for p in ids]
         generations = server.submit(engine, requests, [p if isinstance(p, str) else None for p in prompts])
         api = _Completions(server, body, ids)
@@ -486,7 +490,7 @@ def create_app(server: Server) -> FastAPI:
         engine = server.ready()
         messages = [{"role": m.role, "content": m.text} for m in body.messages]
         try:
-            prompt = server.tokenizer.encode(server.chat.render(messages))
+            prompt = await run_in_threadpool(lambda: server.tokenizer.encode(server.chat.render(messages)))
         except RequestError as e:
             raise ApiError.from_request_error(e) from e
         limit = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
