@@ -72,6 +72,10 @@ def test_chat_template_file_errors(tmp_path):
     assert chat.render([{"role": "user", "content": "x"}]) == "<s>x"
     with pytest.raises(RequestError, match="no tools"):
         chat.render([{"role": "tool", "content": "x"}])
+    halving = "{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content / 2 }}{% endif %}{% endfor %}"
+    template.write_text(halving)  # renders a user's message, fails on an assistant's
+    with pytest.raises(RequestError, match="the chat template cannot render these messages: unsupported operand"):
+        ChatTemplate.from_file(str(template), {}).render([{"role": "assistant", "content": "x"}])
     template.write_text("{% for m in messages %}{{ m.content / 2 }}{% endfor %}")
     with pytest.raises(ConfigError, match=f"--chat-template {template} does not render a one-message chat"):
         ChatTemplate.from_file(str(template), {})
