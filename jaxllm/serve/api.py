@@ -252,9 +252,11 @@ class _Job:
 
 
 class _Completions:
-    def __init__(self, server: Server, body: protocol.CompletionRequest, prompts: list[list[int]]):
-        self.server, self.body, self.prompts = server, body, prompts
-        self.echoes = [server.tokenizer.decode(p) if body.echo else "" for p in prompts]
+    def __init__(self, server: Server, body: protocol.CompletionRequest):
+        self.server, self.body = server, body
+
+    def _echo(self, g: Generation) -> str:
+        return self.server.tokenizer.decode(g.request.prompt) if self.body.echo else ""
 
     def _logprobs(self, g: Generation, logprobs, offset: int, echo: bool):
         if self.body.logprobs is None:
@@ -263,15 +265,14 @@ class _Completions:
         scored = protocol.prompt_logprobs(g.request.prompt, g.prompt_logprobs, top) if echo else []
         return protocol.completion_logprobs(tokenizer, scored + logprobs, top, offset)
 
-    def choice(self, generation: int, g: Generation, index: int, choice) -> dict:
-        echo = self.echoes[generation]
-        return {"index": index, "text": echo + choice.text, "finish_reason": choice.finish_reason,
+    def choice(self, g: Generation, index: int, choice) -> dict:
+        return {"index": index, "text": self._echo(g) + choice.text, "finish_reason": choice.finish_reason,
                 "logprobs": self._logprobs(g, choice.logprobs, 0, self.body.echo)}  # fmt: skip
 
-    def opening(self, generation: int, g: Generation, index: int) -> dict | None:
+    def opening(self, g: Generation, index: int) -> dict | None:
         if not self.body.echo:
             return None
-        return {"index": index, "text": self.echoes[generation], "finish_reason": None,
+        return {"index": index, "text": self._echo(g), "finish_reason": None,
                 "logprobs": self._logprobs(g, [], 0, True)}  # fmt: skip
 
     def chunk(self, g: Generation, index: int, delta: Delta, offset: int) -> dict:
@@ -287,11 +288,11 @@ class _Chat:
     def _logprobs(self, logprobs) -> dict | None:
         return None if self.top is None else protocol.chat_logprobs(self.server.tokenizer, logprobs, self.top)
 
-    def choice(self, generation: int, g: Generation, index: int, choice) -> dict:
+    def choice(self, g: Generation, index: int, choice) -> dict:
         return {"index": index, "message": {"role": "assistant", "content": choice.text},
                 "finish_reason": choice.finish_reason, "logprobs": self._logprobs(choice.logprobs)}  # fmt: skip
 
-    def opening(self, generation: int, g: Generation, index: int) -> dict:
+    def opening(self, g: Generation, index: int) -> dict:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
 
     def chunk(self, g: Generation, index: int, delta: Delta, offset: int) -> dict:
@@ -335,7 +336,7 @@ async def _respond(server: Server, request: HttpRequest, job: _Job, stream: bool
     if not stream:
         server.finished(job.generations)
         choices = [
-            job.api.choice(i, g, job.choice_index(i, c), choice)
+            job.api.choice(g, job.choice_index(i, c), choice)
             for i, g in enumerate(job.generations)
             for c, choice in enumerate(g.choices())
         ]
@@ -353,7 +354,7 @@ async def _respond(server: Server, request: HttpRequest, job: _Job, stream: bool
         try:
             for i, g in enumerate(job.generations):
                 for c in range(g.request.n):
-                    if opening := job.api.opening(i, g, job.choice_index(i, c)):
+                    if opening := job.api.opening(g, job.choice_index(i, c)):
                         offsets[job.choice_index(i, c)] = len(opening.get("text", ""))
                         yield event([opening])
             async for i, delta in _merged(streams):
@@ -479,7 +480,7 @@ def create_app(server: Server) -> FastAPI:
         ids = [next(encoded) if isinstance(p, str) else p for p in prompts]
         requests = [body.request(p, _max_tokens(body.max_tokens, engine, p), body.logprobs) for p in ids]
         generations = server.submit(engine, requests, [p if isinstance(p, str) else None for p in prompts])
-        api = _Completions(server, body, ids)
+        api = _Completions(server, body)
         job = _Job(f"cmpl-{uuid.uuid4().hex}", "text_completion", api, generations, body.include_usage)
         return await _respond(server, request, job, body.stream)
 
