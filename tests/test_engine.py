@@ -4,6 +4,7 @@ recompute on one device; a request generates the same tokens alone as among seve
 at staggered steps, greedy and sampled; the decode step updates its donated cache in place. Behind
 the HTTP app in-process: the perplexity alarm without refusing, and an engine whose step failed."""
 
+import contextlib
 import math
 import re
 import subprocess
@@ -137,6 +138,22 @@ def test_engine_matches_full_recompute_and_is_independent_of_neighbours(trained,
         assert alone.tokens == together[r].tokens, r
 
 
+@contextlib.contextmanager
+def _served_in_process(engine):
+    """The HTTP app on `engine`, in this process, with the engine stepping in a thread."""
+    server = Server(engine.cfg.serve, "m", engine.tokenizer, ChatTemplate(), DenyList([]), frozenset(), Metrics(8))
+    server.engine = engine
+    stop = threading.Event()
+    thread = threading.Thread(target=engine.serve_forever, args=(stop,))
+    thread.start()
+    try:
+        with TestClient(create_app(server)) as http:
+            yield http
+    finally:
+        stop.set()
+        thread.join()
+
+
 def _check_prompt_logprobs(generation, want, tensor):
     """Each prompt token's log-prob and top 20 as the server reports them, the perplexity and
     (on 1 device, which has the alarm on but not refusing) the alarm."""
@@ -157,27 +174,17 @@ def test_prompts_over_the_alarm_are_served_counted_and_logged_unless_refused(eng
     """On 1 device the alarm is on (serve.ppl_alarm) without serve.ppl_reject: through HTTP,
     every prompt is served, and those whose perplexity (from their echoed log-probs) passes the
     alarm are counted and logged with their request id."""
-    engine = engines(1)
-    server = Server(engine.cfg.serve, "m", engine.tokenizer, ChatTemplate(), DenyList([]), frozenset(), Metrics(8))
-    server.engine = engine
-    stop = threading.Event()
-    thread = threading.Thread(target=engine.serve_forever, args=(stop,))
-    thread.start()
     rng, alarmed = np.random.default_rng(5), []
-    try:
-        with TestClient(create_app(server)) as http:
-            for length in (4, 8, 12, 16) * 3:
-                body = {"model": "m", "prompt": rng.integers(0, 300, length).tolist(), "max_tokens": 2, "echo": True,
-                        "logprobs": 0, "temperature": 0}  # fmt: skip
-                response = http.post("/v1/completions", json=body)
-                assert response.status_code == 200, response.text
-                scored = response.json()["choices"][0]["logprobs"]["token_logprobs"][1:length]
-                if np.exp(-np.mean(scored)) > PPL_ALARM:
-                    alarmed.append(response.headers["X-Request-Id"])
-            metrics = http.get("/metrics").text
-    finally:
-        stop.set()
-        thread.join()
+    with _served_in_process(engines(1)) as http:
+        for length in (4, 8, 12, 16) * 3:
+            body = {"model": "m", "prompt": rng.integers(0, 300, length).tolist(), "max_tokens": 2, "echo": True,
+                    "logprobs": 0, "temperature": 0}  # fmt: skip
+            response = http.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            scored = response.json()["choices"][0]["logprobs"]["token_logprobs"][1:length]
+            if np.exp(-np.mean(scored)) > PPL_ALARM:
+                alarmed.append(response.headers["X-Request-Id"])
+        metrics = http.get("/metrics").text
     assert 0 < len(alarmed) < 12  # both kinds were sent
     assert f"jaxllm_perplexity_alarms_total {float(len(alarmed))}" in metrics
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("perplexity alarm")]
@@ -214,6 +221,18 @@ def test_requests_run_without_compiling(trained, engines):
     finally:
         jax.monitoring.unregister_event_duration_listener(record)
     assert events == []
+
+
+def test_echoed_logprobs_need_the_prompt_logprobs(engines):
+    """On 2 devices the prefill skips the prompt's log-probs: echo with logprobs is refused,
+    naming the setting, before anything is queued."""
+    engine = engines(2)
+    with _served_in_process(engine) as http:
+        body = {"model": "m", "prompt": [5, 6], "echo": True, "logprobs": 1}
+        refused = http.post("/v1/completions", json=body)
+    assert refused.status_code == 422, refused.text
+    assert refused.json()["error"]["param"] == "echo" and "--config.serve.prompt_nll=true" in refused.text
+    assert not engine.busy()
 
 
 def test_decode_step_updates_the_donated_cache_in_place(engines):
@@ -290,13 +309,11 @@ def test_engine_thread_serves_until_a_step_fails_then_ends_every_request(trained
             generation.choices(timeout=10)
     with pytest.raises(Unavailable, match="the engine has stopped"):
         engine.submit(Request([5], 2))
-    # What the HTTP server then answers: unhealthy, and 503 to requests.
-    server = Server(engine.cfg.serve, "m", engine.tokenizer, ChatTemplate(), DenyList([]), frozenset(), Metrics(1))
-    server.engine = engine
-    http = TestClient(create_app(server))
-    health = http.get("/health")
+    assert not engine.busy()
+    with _served_in_process(engine) as http:  # what the HTTP server then answers: unhealthy, and 503
+        health = http.get("/health")
+        refused = http.post("/v1/completions", json={"model": "m", "prompt": [5]})
     assert (health.status_code, health.json()["status"]) == (503, "stopped")
-    refused = http.post("/v1/completions", json={"model": "m", "prompt": [5]})
     assert refused.status_code == 503 and "restart the server" in refused.json()["error"]["message"]
 
 

@@ -276,6 +276,7 @@ class Engine:
             stopped = Unavailable(f"the engine has stopped: {failure!r}")
             for generation in waiting + [g for g, _ in self._active.values()]:
                 generation._end(stopped)
+            self._active.clear()
             raise
 
     def step(self) -> int:
