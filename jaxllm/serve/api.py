@@ -16,8 +16,7 @@ import hmac
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from collections.abc import AsyncIterator
 
 import ml_collections
 from fastapi import FastAPI
@@ -31,13 +30,14 @@ from starlette.exceptions import HTTPException
 
 from jaxllm.data.tokenizer import Tokenizer
 from jaxllm.serve import protocol
+from jaxllm.serve.aio import ClientGone, chain, drain, merged, unless_gone
 from jaxllm.serve.chat import ChatTemplate
 from jaxllm.serve.engine import Delta, Engine, Generation, Request, RequestError, Unavailable
 from jaxllm.serve.guards import DenyList, RateLimiter
 from jaxllm.serve.metrics import Metrics
+from jaxllm.serve.middleware import CountRequests, LimitBody
 
 log = logging.getLogger("jaxllm.serve")
-T = TypeVar("T")
 
 ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable"}
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
@@ -163,7 +163,7 @@ class Server:
                 self._judged(request_id, g)
                 if g.error is not None:
                     raise g.error
-                streams.append(_chain(first, deltas))
+                streams.append(chain(first, deltas))
         except RequestError as e:
             raise ApiError.from_request_error(e).about(request_id) from e
         except Unavailable as e:
@@ -201,36 +201,6 @@ class Server:
 def _max_tokens(asked: int | None, engine: Engine, prompt: list[int]) -> int:
     """What a request asked for; if nothing, as many as its slot holds."""
     return engine.max_len - len(prompt) if asked is None else asked
-
-
-async def _chain(first: Delta | None, rest: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
-    if first is not None:
-        yield first
-    async for delta in rest:
-        yield delta
-
-
-async def _merged(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
-    """The deltas of several generations as they come, each with its generation's index."""
-    queue: asyncio.Queue[tuple[int, Delta | None]] = asyncio.Queue()
-
-    async def pump(index: int, stream: AsyncIterator[Delta]) -> None:
-        async for delta in stream:
-            queue.put_nowait((index, delta))
-        queue.put_nowait((index, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        unfinished = len(tasks)
-        while unfinished:
-            index, delta = await queue.get()
-            if delta is None:
-                unfinished -= 1
-            else:
-                yield index, delta
-    finally:
-        for task in tasks:
-            task.cancel()
 
 
 @dataclasses.dataclass
@@ -301,34 +271,14 @@ class _Chat:
                 "logprobs": self._logprobs(delta.logprobs)}  # fmt: skip
 
 
-class _ClientGone(Exception):
-    """The client closed its connection while its request waited or ran."""
-
-
-async def _unless_gone(request: HttpRequest, work: Awaitable[T]) -> T:
-    """`work`'s result; if the client disconnects first, `work` is cancelled and `_ClientGone` raised."""
-    task = asyncio.ensure_future(work)
-    while not (await asyncio.wait({task}, timeout=0.25))[0]:
-        if await request.is_disconnected():
-            task.cancel()
-            raise _ClientGone
-    return task.result()
-
-
-async def _drain(streams: list[AsyncIterator[Delta]]) -> None:
-    for deltas in streams:
-        async for _ in deltas:
-            pass
-
-
 async def _respond(server: Server, request: HttpRequest, job: _Job, stream: bool) -> Response:
     """The response, streamed or whole. A client that leaves before its stream starts, or before
     its whole response is ready, frees its slots (and queue places) at once."""
     try:
-        streams = await _unless_gone(request, server.started(job.id, job.generations))
+        streams = await unless_gone(request, server.started(job.id, job.generations))
         if not stream:
-            await _unless_gone(request, _drain(streams))
-    except _ClientGone:
+            await unless_gone(request, drain(streams))
+    except ClientGone:
         for g in job.generations:
             g.cancel()
         return Response(status_code=499)  # nginx's "client closed request", for the metrics only
@@ -357,7 +307,7 @@ async def _respond(server: Server, request: HttpRequest, job: _Job, stream: bool
                     if opening := job.api.opening(g, job.choice_index(i, c)):
                         offsets[job.choice_index(i, c)] = len(opening.get("text", ""))
                         yield event([opening])
-            async for i, delta in _merged(streams):
+            async for i, delta in merged(streams):
                 index = job.choice_index(i, delta.choice)
                 if delta.text or delta.finish_reason or delta.logprobs:
                     yield event([job.api.chunk(job.generations[i], index, delta, offsets.get(index, 0))])
@@ -373,53 +323,6 @@ async def _respond(server: Server, request: HttpRequest, job: _Job, stream: bool
     return EventSourceResponse(events(), headers={"X-Request-Id": job.id, "Cache-Control": "no-cache"})
 
 
-class _LimitBody:
-    """Refuses bodies over `limit` bytes: at once if their Content-Length says so, else as soon as
-    the route has read more (the route's handler then answers with the error)."""
-
-    def __init__(self, app, limit: int, refused):
-        self.app, self.limit, self.refused = app, limit, refused
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        too_large = f"the body is over {self.limit} bytes (serve.max_body_bytes); send less"
-        error = ApiError(413, too_large, "body_too_large", "request_too_large")
-        length = dict(scope["headers"]).get(b"content-length", b"0")
-        if not length.isdigit() or int(length) > self.limit:
-            return await self.refused(error)(scope, receive, send)
-        seen = 0
-
-        async def limited():
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise error
-            return message
-
-        await self.app(scope, limited, send)
-
-
-class _CountRequests:
-    """Counts every response by route and status (ASGI middleware, so streams pass untouched)."""
-
-    def __init__(self, app, metrics: Metrics):
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        route = scope["path"] if scope["path"] in ROUTES else "other"
-
-        async def counted(message):
-            if message["type"] == "http.response.start":
-                self.metrics.requests.labels(route, str(message["status"])).inc()
-            await send(message)
-
-        await self.app(scope, receive, counted)
-
-
 def create_app(server: Server) -> FastAPI:
     app = FastAPI(title="jaxllm", docs_url=None, redoc_url=None)
     metrics = server.metrics
@@ -428,8 +331,14 @@ def create_app(server: Server) -> FastAPI:
         metrics.rejections.labels(e.reason).inc()
         return e.response()
 
-    app.add_middleware(_LimitBody, limit=server.settings.max_body_bytes, refused=refused)
-    app.add_middleware(_CountRequests, metrics=metrics)  # added last: outermost, so it counts every answer
+    limit = server.settings.max_body_bytes
+
+    def too_large() -> ApiError:
+        message = f"the body is over {limit} bytes (serve.max_body_bytes); send less"
+        return ApiError(413, message, "body_too_large", "request_too_large")
+
+    app.add_middleware(LimitBody, limit=limit, too_large=too_large, refused=refused)
+    app.add_middleware(CountRequests, metrics=metrics, routes=ROUTES)  # added last: outermost, counts every answer
     app.add_exception_handler(ApiError, lambda request, e: refused(e))
 
     @app.exception_handler(HTTPException)
