@@ -297,11 +297,15 @@ def test_engine_thread_serves_until_a_step_fails_then_ends_every_request(trained
     served = engine.submit(Request([5, 6], 4, temperature=0.0, ignore_eos=True))
     assert len(served.choices(timeout=60)[0].tokens) == 4
 
+    submitted = threading.Event()
+
     def lost_device(*args):
+        submitted.wait(30)  # fails only once both requests are in, however the threads interleave
         raise RuntimeError("device lost")
 
     engine.decode_step = lost_device
-    running, waiting = (engine.submit(Request([5], 8, ignore_eos=True)) for _ in range(2))
+    running, waiting = [engine.submit(Request([5], 8, ignore_eos=True)) for _ in range(2)]
+    submitted.set()
     thread.join(60)
     assert [str(f) for f in failures] == ["device lost"] and engine.failure is failures[0]
     for generation in (running, waiting):
