@@ -17,6 +17,7 @@ MLP_ACTIVATIONS = ("swiglu", "geglu", "gelu")
 ATTENTION = ("xla", "cudnn", "pallas")
 REMAT_POLICIES = ("none", "full", "group", "selective", "dots", "offload")
 MESH_AXES = ("data", "fsdp", "stage", "tensor")
+FP8_AMAX_REDUCE = ("global", "local")
 
 
 class ConfigError(JaxllmError):
@@ -45,6 +46,9 @@ def base_config() -> ml_collections.ConfigDict:
         param_dtype="float32",
         remat="none",
         attention="xla",  # or 'cudnn' / 'pallas' (fused, GPU only)
+        # FP8 dense projections (q, k, v, o_proj, gate, up, down): e4m3 forward, e5m2 gradients, per-tensor
+        # current scaling; amax_reduce='local' skips the amax pmax over tensor (layouts then differ)
+        fp8=dict(enabled=False, amax_reduce="global"),
         init_std=0.02,
         norm_eps=1e-5,
     )
@@ -260,6 +264,19 @@ def _validate_attention(cfg: ml_collections.ConfigDict, backend: str | None) -> 
         )
 
 
+def _validate_fp8(m: ml_collections.ConfigDict) -> None:
+    reduce = m.fp8.amax_reduce
+    _require(reduce in FP8_AMAX_REDUCE, f"model.fp8.amax_reduce={reduce!r} is unknown; use one of {FP8_AMAX_REDUCE}")
+    if not m.fp8.enabled:
+        return
+    for field, value in (("model.hidden", m.hidden), ("model.mlp", m.mlp), ("head dim", sizes(m).head_dim)):
+        _require(
+            value % 16 == 0,
+            f"{field}={value} is not a multiple of 16, which FP8 GEMMs (cuBLASLt) need with model.fp8.enabled; "
+            "use a multiple of 16 or set model.fp8.enabled=False",
+        )
+
+
 def _validate_tensor(m: ml_collections.ConfigDict, tensor: int, field_name: str) -> None:
     for field, value in (
         ("model.num_heads", m.num_heads),
@@ -284,6 +301,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, backend: str | No
     )
     _validate_attention(cfg, backend)
     _require(m.remat in REMAT_POLICIES, f"model.remat={m.remat!r} is unknown; use one of {REMAT_POLICIES}")
+    _validate_fp8(m)
     _require(
         m.qkv_share_every >= 1 and m.num_layers % m.qkv_share_every == 0,
         f"model.num_layers={m.num_layers} is not divisible by model.qkv_share_every={m.qkv_share_every}; "
@@ -357,8 +375,9 @@ SERVE_DTYPES = ("float32", "bfloat16", "float16")
 
 def serving_config(cfg: ml_collections.ConfigDict, local_devices: int) -> ml_collections.ConfigDict:
     """A checkpoint's config made ready to serve: `serve.*` checked and resolved, the model set to
-    compute in the serving dtype with plain XLA attention and no remat, and the mesh a `tensor`
-    axis over local devices (no pipeline: the KV cache needs the plain stack)."""
+    compute in the serving dtype with plain XLA attention, no remat and no FP8 (a per-tensor scale
+    over a batch of slots would make each request's output depend on the others'), and the mesh a
+    `tensor` axis over local devices (no pipeline: the KV cache needs the plain stack)."""
     cfg = cfg.copy_and_resolve_references()
     m, s = cfg.model, cfg.serve
     s.max_len = s.max_len or m.max_seq_len
@@ -391,5 +410,6 @@ def serving_config(cfg: ml_collections.ConfigDict, local_devices: int) -> ml_col
     )
     _validate_tensor(m, s.tensor, "serve.tensor")
     m.update(dtype=s.dtype, attention="xla", remat="none")
+    m.fp8.enabled = False
     cfg.parallel.update(data=1, fsdp=1, stage=1, tensor=s.tensor, microbatches=1, repeats=1, sequence_parallel=False)
     return cfg

@@ -153,6 +153,11 @@ def summary(cfg: ml_collections.ConfigDict) -> str:
     lines.append(f"applied matmul params/token {applied_matmul_params(model):,}")
     lines.append(f"training FLOPs/token        {flops_per_token(model, seq):.4g} (seq {seq})")
     lines.append(f"training FLOPs/step         {flops_per_token(model, seq) * cfg.train.batch_size * seq:.4g}")
+    precision = f"precision: params {model.param_dtype}, compute {model.dtype}"
+    if model.fp8.enabled:
+        fp8 = f"e4m3 forward, e5m2 gradients, current scaling, amax {model.fp8.amax_reduce}"
+        precision += f"; dense projections FP8 ({fp8})"
+    lines.append(precision)
     if (schedule := schedule_of(cfg)) is not None:
         lines.append(
             f"pipeline: {schedule.stages} stages × {schedule.repeats} repeats, {schedule.microbatches} microbatches, "

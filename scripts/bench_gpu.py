@@ -55,6 +55,7 @@ def run(cfg, steps: int) -> dict:
         "loss": float(metrics["loss"]),
         "compiled_gib": (mem.argument_size_in_bytes + mem.temp_size_in_bytes) / 2**30,
         "measured_peak_gib": stats.get("peak_bytes_in_use", float("nan")) / 2**30,
+        "hlo": compiled.as_text(),
     }
 
 

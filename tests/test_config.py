@@ -89,6 +89,12 @@ CASES = {
         {"model.attention": "pallas", "model.num_kv_heads": 8},
         ["train.seq_len=16 is not a multiple of 128", "model.attention='xla'"],
     ),
+    "fp8 head dim": ({"model.fp8.enabled": True}, ["head dim=8 is not a multiple of 16", "model.fp8.enabled=False"]),
+    "fp8 mlp": (
+        {"model.fp8.enabled": True, "model.num_heads": 4, "model.num_kv_heads": 4, "model.mlp": 120},
+        ["model.mlp=120 is not a multiple of 16", "FP8 GEMMs"],
+    ),
+    "fp8 amax reduction": ({"model.fp8.amax_reduce": "stage"}, ["model.fp8.amax_reduce='stage' is unknown", "'local'"]),
     "trained BPE vs vocab": (
         {"data.bpe_vocab_size": 1024},
         ["data.bpe_vocab_size=1024 exceeds model.vocab_size=257", "set model.vocab_size=1024"],
@@ -150,10 +156,11 @@ def test_bad_serving_config_is_refused_with_field_and_fix(overrides, phrases):
 
 
 def test_serving_config_resolves_its_defaults():
-    trained = apply_overrides(small_config(), {"model.attention": "cudnn", "model.remat": "full", "parallel.stage": 2})
+    trained = {"model.attention": "cudnn", "model.remat": "full", "parallel.stage": 2, "model.fp8.enabled": True}
+    trained = apply_overrides(small_config(), trained)
     cfg = serving_config(trained, local_devices=8)  # 4 kv heads: 4 of the 8 devices split them
     assert (cfg.serve.max_len, cfg.serve.dtype, cfg.serve.tensor) == (64, "float32", 4)
-    assert (cfg.model.attention, cfg.model.remat) == ("xla", "none")
+    assert (cfg.model.attention, cfg.model.remat, cfg.model.fp8.enabled) == ("xla", "none", False)
     assert [cfg.parallel[a] for a in ("data", "fsdp", "stage", "tensor")] == [1, 1, 1, 4]
     assert not cfg.serve.prompt_nll
     alarmed = serving_config(apply_overrides(small_config(), {"serve.ppl_alarm": 500.0}), local_devices=8)

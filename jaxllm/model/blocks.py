@@ -20,6 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxllm.config import sizes
 from jaxllm.model import layers
 from jaxllm.model.cache import LAYER_AXES
+from jaxllm.model.dense import projections
 from jaxllm.model.params import declare, params_of, value_axes
 from jaxllm.parallel.rules import constrain
 from jaxllm.parallel.tensor_parallel import RESIDUAL, tensor_parallel
@@ -54,7 +55,7 @@ class Attention(nnx.Module):
     def __init__(self, model: ml_collections.ConfigDict, stack: Stack = UNSTACKED):
         (lead, lead_axes), h, s, dt, std = stack, model.hidden, sizes(model), model.param_dtype, model.init_std
         hd, kv = s.head_dim, s.kv_heads
-        self.implementation = model.attention
+        self.implementation, self.fp8 = model.attention, model.fp8
         self.q = declare((*lead, h, model.num_heads, hd), (*lead_axes, "embed", "heads", "head_dim"), dt, std=std)
         self.k = declare((*lead, h, kv, hd), (*lead_axes, "embed", "kv_heads", "head_dim"), dt, std=std)
         self.v = declare((*lead, h, kv, hd), (*lead_axes, "embed", "kv_heads", "head_dim"), dt, std=std)
@@ -62,14 +63,16 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, o_proj: nnx.Param, ctx: layers.Context, cached=None):
         """The attention block's output; with `cached` (a layer's keys and values from a
         `KVCache`), (output, new keys, new values) instead."""
+        project = projections(self.fp8)
         if cached is not None:
             new = ("batch", None, "kv_heads", "head_dim")
             attend = tensor_parallel(
-                layers.cached_attention, value_axes(self), value_axes(o_proj), (), LAYER_AXES, LAYER_AXES, (),
+                partial(layers.cached_attention, project=project),
+                value_axes(self), value_axes(o_proj), (), LAYER_AXES, LAYER_AXES, (),
                 kept_axes=(new, new),
             )  # fmt: skip
             return attend(x, params_of(self), o_proj.get_value(), ctx.rope, *cached, ctx.positions)
-        attention = partial(layers.attention, implementation=self.implementation)
+        attention = partial(layers.attention, implementation=self.implementation, project=project)
         attend = tensor_parallel(attention, value_axes(self), value_axes(o_proj), (), ())
         return attend(x, params_of(self), o_proj.get_value(), ctx.rope, ctx.segment_ids)
 
@@ -79,14 +82,15 @@ class FeedForward(nnx.Module):
 
     def __init__(self, model: ml_collections.ConfigDict, stack: Stack = UNSTACKED):
         (lead, lead_axes), h, m, dt = stack, model.hidden, model.mlp, model.param_dtype
-        self.activation = model.mlp_activation
+        self.activation, self.fp8 = model.mlp_activation, model.fp8
         self.up = declare((*lead, h, m), (*lead_axes, "embed", "mlp"), dt, std=model.init_std)
         self.down = declare((*lead, m, h), (*lead_axes, "mlp", "embed"), dt, std=_residual_std(model))
         if sizes(model).gated:
             self.gate = declare((*lead, h, m), (*lead_axes, "embed", "mlp"), dt, std=model.init_std)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        run = tensor_parallel(partial(layers.feed_forward, activation=self.activation), value_axes(self))
+        mlp = partial(layers.feed_forward, activation=self.activation, project=projections(self.fp8))
+        run = tensor_parallel(mlp, value_axes(self))
         return run(x, params_of(self))
 
 

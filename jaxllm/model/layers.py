@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.pallas.ops.gpu.attention import mha
 
+from jaxllm.model.dense import Project, einsum_projections
 from jaxllm.parallel.rules import manual_spec
 
 NEG_INF = -1e30  # finite, so fully masked rows give a uniform softmax instead of NaN
@@ -132,11 +133,8 @@ def self_attention(
     return per_device(kernel)(q, k, v, segment_ids)
 
 
-def _project_qkv(x: jax.Array, qkv: dict, rope: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
-    dt = x.dtype
-    q = jnp.einsum("bte,ehd->bthd", x, qkv["q"].astype(dt))
-    k = jnp.einsum("bte,ehd->bthd", x, qkv["k"].astype(dt))
-    v = jnp.einsum("bte,ehd->bthd", x, qkv["v"].astype(dt))
+def _project_qkv(x: jax.Array, qkv: dict, rope: tuple[jax.Array, jax.Array], project: Project) -> tuple[jax.Array, ...]:
+    q, k, v = project(x, (qkv["q"], qkv["k"], qkv["v"]), "bte,ehd->bthd")
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     return tuple(checkpoint_name(a, "qkv_proj") for a in (q, k, v))
 
@@ -148,11 +146,12 @@ def attention(
     rope: tuple[jax.Array, jax.Array],
     segment_ids: jax.Array | None,
     implementation: str = "xla",
+    project: Project = einsum_projections,
 ) -> jax.Array:
     """Self-attention on this device's heads; the caller sums partial outputs over `tensor`."""
-    q, k, v = _project_qkv(x, qkv, rope)
+    q, k, v = _project_qkv(x, qkv, rope, project)
     ctx = checkpoint_name(self_attention(q, k, v, segment_ids, implementation), "attn_out")
-    return jnp.einsum("bthd,hde->bte", ctx, o_proj.astype(x.dtype))
+    return project(ctx, (o_proj,), "bthd,hde->bte")[0]
 
 
 def _write_positions(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
@@ -170,16 +169,17 @@ def cached_attention(
     keys: jax.Array,
     values: jax.Array,
     positions: jax.Array,
+    project: Project = einsum_projections,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attention of new tokens at `positions` [b, t] (consecutive per row) over a layer's cached
     keys and values [b, kv_heads, max_len, d] (that order lets both matmuls read them without a
     transpose) with theirs written in: (output, their keys, their values), the last two for the
     caller to store."""
-    q, k, v = _project_qkv(x, qkv, rope)
+    q, k, v = _project_qkv(x, qkv, rope, project)
     keys, values = _write_positions(keys, k, positions[:, 0]), _write_positions(values, v, positions[:, 0])
     causal = jnp.arange(keys.shape[2])[None, None] <= positions[:, :, None]  # [b, t, max_len]
     ctx = attend(q, keys.astype(q.dtype), values.astype(v.dtype), causal[:, None], kv_layout="bksd")
-    out = jnp.einsum("bthd,hde->bte", ctx, o_proj.astype(x.dtype))
+    (out,) = project(ctx, (o_proj,), "bthd,hde->bte")
     # The new entries are handed back as read from the updated slice, not as projected: the
     # caller's write into the whole cache then depends on this read of it, so the compiler can
     # write in place instead of copying the cache to keep the read safe.
@@ -187,15 +187,14 @@ def cached_attention(
     return out, written(keys, positions), written(values, positions)
 
 
-def feed_forward(x: jax.Array, p: dict, activation: str) -> jax.Array:
+def feed_forward(x: jax.Array, p: dict, activation: str, project: Project = einsum_projections) -> jax.Array:
     """GLU (SwiGLU / GeGLU) or plain GELU MLP on this device's slice of `mlp`."""
-    dt = x.dtype
-    up = jnp.einsum("bte,em->btm", x, p["up"].astype(dt))
     if activation == "gelu":
+        (up,) = project(x, (p["up"],), "bte,em->btm")
         hidden = jax.nn.gelu(up)
     else:
-        gate = jnp.einsum("bte,em->btm", x, p["gate"].astype(dt))
+        gate, up = project(x, (p["gate"], p["up"]), "bte,em->btm")
         act = jax.nn.silu if activation == "swiglu" else jax.nn.gelu
         hidden = act(gate) * up
     hidden = checkpoint_name(hidden, "mlp_in")
-    return jnp.einsum("btm,me->bte", hidden, p["down"].astype(dt))
+    return project(hidden, (p["down"],), "btm,me->bte")[0]

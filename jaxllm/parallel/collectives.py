@@ -36,6 +36,11 @@ def all_gather(x: jax.Array, axis: str, dim: int) -> jax.Array:
     return jax.lax.all_gather(x, axis, axis=dim, tiled=True)
 
 
+def varying_axes(x: jax.Array) -> frozenset[str]:
+    """The manual mesh axes along which `x` may differ between devices."""
+    return jax.typeof(x).manual_axis_type.varying
+
+
 def to_varying(x: jax.Array, axis: str) -> jax.Array:
     """Marks a replicated value as per-device along `axis`; the backward pass all-reduces its
     cotangent once here, instead of once per use."""

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import MESH_AXES
 from jaxllm.model.params import is_norm
-from jaxllm.parallel.collectives import reduce_scatter_sum, to_varying
+from jaxllm.parallel.collectives import reduce_scatter_sum, to_varying, varying_axes
 from jaxllm.parallel.rules import GATHERED_RULES, RULES, active_rules, as_tuple, constrain, is_axes, manual_spec
 from jaxllm.parallel.schedule import Schedule, split_microbatches
 from jaxllm.parallel.tensor_parallel import RESIDUAL
@@ -55,13 +55,9 @@ def gather_stage_weights(groups, specs, dtype) -> dict:
     return jax.lax.stop_gradient(copies)
 
 
-def _varying(x: jax.Array) -> frozenset[str]:
-    return jax.typeof(x).manual_axis_type.varying
-
-
 def _varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
     """`x` marked per-device along every manual axis that `like` varies over."""
-    missing = tuple(_varying(like) - _varying(x))
+    missing = tuple(varying_axes(like) - varying_axes(x))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
@@ -84,7 +80,7 @@ def _grad_sink_bwd(spec, _, grad):
     for axis, dim in split.items():
         grad = reduce_scatter_sum(grad, axis, dim)
     held = {axis for axes in spec for axis in as_tuple(axes)} | {"stage"}
-    if rest := tuple(sorted(_varying(grad) - held)):
+    if rest := tuple(sorted(varying_axes(grad) - held)):
         grad = jax.lax.psum(grad, rest)
     return grad, None
 
