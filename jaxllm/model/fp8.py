@@ -11,11 +11,10 @@ backend fuses into one cuBLASLt FP8 GEMM taking the scales, and what the CPU exe
 an emulation. Forward dots leave cuBLASLt its fast accumulation (DEFAULT precision); gradient dots
 ask for full precision (HIGHEST).
 
-An amax is the whole tensor's: batch-sharded activations and FSDP-sharded weights reduce through
-the compiler; inside `shard_map`, a pmax over the manual axes the operand varies over (`tensor`;
-also `data`/`fsdp` inside the pipeline's loop, never `stage`, whose devices hold other layers and
-microbatches) gives every layout the same scales (a replicated input that `tensor_parallel` types as per-device
-costs one redundant scalar all-reduce). `amax_reduce="local"` skips the pmax.
+An amax is the whole tensor's: sharded operands reduce through the compiler, and inside
+`shard_map` through `collectives.whole_tensor_max`, so every layout gets the same scales (a
+replicated input typed as per-device costs one redundant scalar all-reduce).
+`amax_reduce="local"` skips that reduction.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxllm.parallel.collectives import varying_axes
+from jaxllm.parallel.collectives import whole_tensor_max
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
@@ -44,8 +43,7 @@ class Scaled(NamedTuple):
 def amax(x: jax.Array, reduce: bool) -> jax.Array:
     """max |x| over the whole tensor (see the module doc), in fp32."""
     local = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    axes = tuple(sorted(varying_axes(x) - {"stage"})) if reduce else ()
-    return jax.lax.pmax(local, axes) if axes else local
+    return whole_tensor_max(local, x) if reduce else local
 
 
 def quantize(x: jax.Array, dtype, reduce: bool) -> Scaled:

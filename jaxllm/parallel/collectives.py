@@ -41,6 +41,14 @@ def varying_axes(x: jax.Array) -> frozenset[str]:
     return jax.typeof(x).manual_axis_type.varying
 
 
+def whole_tensor_max(local: jax.Array, part: jax.Array) -> jax.Array:
+    """`local`, a max over this device's `part` of a tensor, maxed over the devices holding its other
+    parts: the manual axes `part` varies over, except `stage`, whose devices hold other layers and
+    other microbatches."""
+    axes = tuple(sorted(varying_axes(part) - {"stage"}))
+    return jax.lax.pmax(local, axes) if axes else local
+
+
 def to_varying(x: jax.Array, axis: str) -> jax.Array:
     """Marks a replicated value as per-device along `axis`; the backward pass all-reduces its
     cotangent once here, instead of once per use."""
