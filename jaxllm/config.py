@@ -18,6 +18,7 @@ ATTENTION = ("xla", "cudnn", "pallas")
 REMAT_POLICIES = ("none", "full", "group", "selective", "dots", "offload")
 MESH_AXES = ("data", "fsdp", "stage", "tensor")
 FP8_AMAX_REDUCE = ("global", "local")
+QUANTIZE = (None, "int8")
 
 
 class ConfigError(JaxllmError):
@@ -49,12 +50,16 @@ def base_config() -> ml_collections.ConfigDict:
         # FP8 dense projections (q, k, v, o_proj, gate, up, down): e4m3 forward, e5m2 gradients, per-tensor
         # current scaling; amax_reduce='local' skips the amax pmax over tensor (layouts then differ)
         fp8=dict(enabled=False, amax_reduce="global"),
+        # 'int8': the dense projections' weights stored int8 with per-output-channel scales (serving:
+        # python -m jaxllm.serve --quantize int8, or an export made with --quantize int8)
+        quantize=placeholder(str),
         init_std=0.02,
         norm_eps=1e-5,
     )
     cfg.parallel = dict(
-        data=-1, fsdp=1, stage=1, tensor=1, microbatches=1, repeats=1, zero1=True, sequence_parallel=False
-    )
+        data=-1, fsdp=1, stage=1, tensor=1, microbatches=1, repeats=1, zero1=True, sequence_parallel=False,
+        offload_optimizer=False,  # keep the optimizer state in pinned host memory between steps
+    )  # fmt: skip
     cfg.train = dict(
         steps=100,
         batch_size=8,
@@ -102,7 +107,8 @@ def base_config() -> ml_collections.ConfigDict:
         slots=8,  # requests decoded together, one KV-cache slot each
         max_len=placeholder(int),  # tokens a slot holds, prompt and output (None: model.max_seq_len)
         max_prompt_tokens=8192,
-        dtype=placeholder(str),  # of the params, activations and KV cache (None: model.dtype)
+        dtype=placeholder(str),  # of the params and activations (None: model.dtype)
+        kv_dtype=placeholder(str),  # of the KV cache: a float dtype, or 'int8' with per-token, per-head scales
         tensor=-1,  # devices for tensor parallelism (-1: as many local ones as split the heads evenly)
         prompt_nll=False,  # each prompt token's log-prob (the LM head over every prompt token)
         # The HTTP server (python -m jaxllm.serve without --prompt) and its guards.
@@ -303,6 +309,11 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, backend: str | No
     _require(m.remat in REMAT_POLICIES, f"model.remat={m.remat!r} is unknown; use one of {REMAT_POLICIES}")
     _validate_fp8(m)
     _require(
+        m.quantize is None,
+        f"model.quantize={m.quantize!r} holds int8 weights, which serve but do not train; train in full "
+        "precision and serve with --quantize int8 (or export with --quantize int8)",
+    )
+    _require(
         m.qkv_share_every >= 1 and m.num_layers % m.qkv_share_every == 0,
         f"model.num_layers={m.num_layers} is not divisible by model.qkv_share_every={m.qkv_share_every}; "
         f"use a multiple of {m.qkv_share_every} layers or another qkv_share_every",
@@ -371,6 +382,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, backend: str | No
 
 
 SERVE_DTYPES = ("float32", "bfloat16", "float16")
+KV_DTYPES = (*SERVE_DTYPES, "int8")
 
 
 def serving_config(cfg: ml_collections.ConfigDict, local_devices: int) -> ml_collections.ConfigDict:
@@ -382,6 +394,7 @@ def serving_config(cfg: ml_collections.ConfigDict, local_devices: int) -> ml_col
     m, s = cfg.model, cfg.serve
     s.max_len = s.max_len or m.max_seq_len
     s.dtype = s.dtype or m.dtype
+    s.kv_dtype = s.kv_dtype or s.dtype
     if s.tensor == -1:  # the most local devices that split every tensor-parallel dimension evenly
         split = (m.num_heads, sizes(m).kv_heads, m.mlp, sizes(m).padded_vocab)
         s.tensor = max(n for n in range(1, local_devices + 1) if all(dim % n == 0 for dim in split))
@@ -404,6 +417,8 @@ def serving_config(cfg: ml_collections.ConfigDict, local_devices: int) -> ml_col
     _require(not s.ppl_reject or s.ppl_alarm is not None, "serve.ppl_reject needs serve.ppl_alarm, the threshold")
     s.prompt_nll = s.prompt_nll or s.ppl_alarm is not None  # the alarm reads the prompt's log-probs
     _require(s.dtype in SERVE_DTYPES, f"serve.dtype={s.dtype!r} is unknown; use one of {SERVE_DTYPES}")
+    _require(s.kv_dtype in KV_DTYPES, f"serve.kv_dtype={s.kv_dtype!r} is unknown; use one of {KV_DTYPES}")
+    _require(m.quantize in QUANTIZE, f"model.quantize={m.quantize!r} is unknown; use one of {QUANTIZE}")
     _require(
         1 <= s.tensor <= local_devices,
         f"serve.tensor={s.tensor}: this host has {local_devices} devices; use 1 to {local_devices} (-1: all)",

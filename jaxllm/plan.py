@@ -16,7 +16,7 @@ import ml_collections
 
 from jaxllm.config import MESH_AXES, sizes
 from jaxllm.model.decoder import param_specs
-from jaxllm.model.params import is_norm, is_spec
+from jaxllm.model.params import is_norm, is_spec, storage_dtype
 from jaxllm.parallel.rules import GATHERED_RULES, OPTIMIZER_RULES, RULES, as_tuple, logical_spec
 from jaxllm.parallel.schedule import schedule_of
 
@@ -94,7 +94,8 @@ def _stash_per_token(model: ml_collections.ConfigDict, seq: int, tensor: int, sp
 
 def memory(cfg: ml_collections.ConfigDict) -> dict[str, float]:
     """Per-device bytes of a training step by component, from the config alone (mesh sizes of -1
-    count as 1). What the planner predicts and `--dry-run` prints beside the compiler's figures."""
+    count as 1). What the planner predicts and `--dry-run` prints beside the compiler's figures.
+    An offloaded optimizer state is counted apart from the device total."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     mesh_sizes = {a: max(p[a], 1) for a in MESH_AXES}
     mesh = jax.sharding.AbstractMesh(tuple(mesh_sizes.values()), MESH_AXES)
@@ -103,9 +104,10 @@ def memory(cfg: ml_collections.ConfigDict) -> dict[str, float]:
     fp32, param = _itemsize(jnp.float32), _itemsize(m.param_dtype)
     compute = _itemsize(m.dtype, norms_in_fp32=True)
     moment_rules = OPTIMIZER_RULES if p.zero1 else RULES
+    moments = 2 * _per_device_bytes(specs, moment_rules, mesh, fp32, fit=True)
     out = {
         "params": _per_device_bytes(specs, RULES, mesh, param),
-        "optimizer state (Adam m, v)": 2 * _per_device_bytes(specs, moment_rules, mesh, fp32, fit=True),
+        "optimizer state (Adam m, v)": 0.0 if p.offload_optimizer else moments,
         "fp32 gradients": _per_device_bytes(specs, RULES, mesh, fp32) * (2 if t.grad_accum_steps > 1 else 1),
     }
     groups = specs["groups"]
@@ -138,6 +140,23 @@ def memory(cfg: ml_collections.ConfigDict) -> dict[str, float]:
     logits = head_tokens * sizes(m).padded_vocab // tensor * 4 * 2  # fp32 logits and their gradient
     out["temporaries (a group rebuilt; logits)"] = max(tokens * rebuilt, logits)
     out["total"] = sum(out.values())
+    if p.offload_optimizer:
+        out["optimizer state in host memory"] = moments
+    return out
+
+
+WEIGHT_BYTES = {"bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+
+
+def weight_bytes(model: ml_collections.ConfigDict) -> dict[str, float]:
+    """The weights' bytes at each width (every parameter), and as `--quantize int8` serves them:
+    dense projections int8 with fp32 scales, the embedding, head and norms in bf16."""
+    total = param_counts(model)["total"]
+    out = {width: total * size for width, size in WEIGHT_BYTES.items()}
+    int8_model = model.copy_and_resolve_references()
+    int8_model.quantize = "int8"
+    specs = jax.tree.leaves(param_specs(int8_model), is_leaf=is_spec)
+    out["int8 as served"] = sum(math.prod(s.shape) * storage_dtype(s, jnp.bfloat16).itemsize for s in specs)
     return out
 
 
@@ -158,6 +177,8 @@ def summary(cfg: ml_collections.ConfigDict) -> str:
         fp8 = f"e4m3 forward, e5m2 gradients, current scaling, amax {model.fp8.amax_reduce}"
         precision += f"; dense projections FP8 ({fp8})"
     lines.append(precision)
+    widths = ", ".join(f"{width} {n / 1e9:.4g}" for width, n in weight_bytes(model).items())
+    lines.append(f"weights, GB: {widths}")
     if (schedule := schedule_of(cfg)) is not None:
         lines.append(
             f"pipeline: {schedule.stages} stages × {schedule.repeats} repeats, {schedule.microbatches} microbatches, "

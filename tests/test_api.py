@@ -3,6 +3,7 @@ trained on real text, driven by the official `openai` client and by raw HTTP. Lo
 checked against a full recompute of the checkpoint's params; every guard's status, message and
 metric; a flood of malformed requests leaves the server as it was."""
 
+import contextlib
 import http.client
 import json
 import re
@@ -19,8 +20,9 @@ import pytest
 from conftest import ROOT, checkpoint_params, device_env, run, train_command
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxllm.checkpoint import stored_config
+from jaxllm.checkpoint import load_params, stored_config
 from jaxllm.data.tokenizer import load_saved_tokenizer
+from jaxllm.model.cache import KVCache
 from jaxllm.model.decoder import forward
 
 KEY, RATE_KEY = "key-main", "key-rate"
@@ -71,6 +73,34 @@ def wait_for(condition, timeout=60.0):
         time.sleep(0.05)
 
 
+@contextlib.contextmanager
+def server(workdir, log, *flags):
+    """`python -m jaxllm.serve --workdir WORKDIR FLAGS` on a free port of 127.0.0.1, once /health
+    says 200; yields the port and the /health statuses seen while it compiled."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "jaxllm.serve", "--workdir", str(workdir), f"--config.serve.port={port}", *flags]
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, cwd=ROOT, env=device_env(), stdout=out, stderr=subprocess.STDOUT)
+    client, statuses = Client(port), []
+
+    def healthy():
+        assert process.poll() is None, log.read_text()
+        try:
+            statuses.append(client.request("GET", "/health", key=None)[0])
+        except ConnectionRefusedError:
+            return False
+        return statuses[-1] == 200
+
+    try:
+        wait_for(healthy, timeout=300)
+        yield port, statuses
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """A 40-step run on the stdlib's email and json sources, served with API keys, a deny-list,
@@ -81,39 +111,20 @@ def served(tmp_path_factory):
     (root / "keys").write_text(f"# keys\n{KEY}\n{RATE_KEY}\n")
     (root / "deny").write_text("# refused\nforbidden\\s+word\n")
     (root / "chat.jinja").write_text(TEMPLATE)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [
-        sys.executable, "-m", "jaxllm.serve", "--workdir", str(workdir), "--api-keys", str(root / "keys"),
-        "--deny", str(root / "deny"), "--chat-template", str(root / "chat.jinja"), f"--config.serve.port={port}",
+    flags = [
+        "--api-keys", str(root / "keys"), "--deny", str(root / "deny"), "--chat-template", str(root / "chat.jinja"),
         f"--config.serve.slots={SLOTS}", f"--config.serve.max_len={MAX_LEN}",
         f"--config.serve.max_prompt_tokens={MAX_PROMPT}", f"--config.serve.max_queue={QUEUE}",
         "--config.serve.rate_per_s=2", f"--config.serve.burst={BURST}", f"--config.serve.ppl_alarm={PPL_ALARM}",
         "--config.serve.ppl_reject=true", "--config.serve.model_name=tiny",
     ]  # fmt: skip
     log = root / "server.log"
-    with open(log, "w") as out:
-        server = subprocess.Popen(command, cwd=ROOT, env=device_env(), stdout=out, stderr=subprocess.STDOUT)
-    client, statuses = Client(port), []
-
-    def healthy():
-        assert server.poll() is None, log.read_text()
-        try:
-            statuses.append(client.request("GET", "/health", key=None)[0])
-        except ConnectionRefusedError:
-            return False
-        return statuses[-1] == 200
-
-    try:
-        wait_for(healthy, timeout=300)
+    with server(workdir, log, *flags) as (port, statuses):
         assert 503 in statuses, "/health said 200 before the engine had compiled"
         sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
         tokenizer = load_saved_tokenizer(workdir / "tokenizer")
-        yield {"client": client, "sdk": sdk, "workdir": workdir, "log": log, "port": port, "tokenizer": tokenizer}
-    finally:
-        server.terminate()
-        server.wait(30)
+        yield {"client": Client(port), "sdk": sdk, "workdir": workdir, "log": log, "port": port,
+               "tokenizer": tokenizer}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -467,3 +478,41 @@ def test_models_and_health_through_the_openai_client(served):
         wrong.models.list()
     with pytest.raises(openai.NotFoundError, match="not served here"):
         sdk.completions.create(model="gpt-9", prompt="x")
+
+
+def test_int8_weights_and_kv_cache_answer_through_http(served, tmp_path):
+    """`serve --quantize int8 --config.serve.kv_dtype=int8` on the same run: a greedy completion
+    equals the int8 model's own recompute through an int8 KV cache, its log-probs to 2e-3 (the
+    server writes the cache a token at a time, the recompute in one pass: their fp32 keys may
+    differ in the last bit, and an int8 entry with them)."""
+    workdir, tokenizer = served["workdir"], served["tokenizer"]
+    cfg = stored_config(workdir)
+    params = load_params(workdir, dtype=cfg.model.dtype, quantize="int8")[1]
+    int8 = cfg.model.copy_and_resolve_references()
+    int8.quantize = "int8"
+    ids = tokenizer.encode(PROMPT)
+    start = len(ids)
+
+    @jax.jit
+    def recompute(padded):  # one compile; causal, and each cache entry is quantized alone
+        logits, _ = forward(params, padded[None], int8, cache=KVCache.empty(int8, 1, padded.shape[0], "int8"))
+        return jax.nn.log_softmax(logits[0])
+
+    def logprobs(ids):
+        return np.asarray(recompute(np.pad(np.asarray(ids, np.int32), (0, 64 - len(ids)))))[: len(ids)]
+
+    for _ in range(12):
+        ids.append(int(np.argmax(logprobs(ids)[-1])))
+    want = logprobs(ids)
+    flags = ["--quantize", "int8", "--config.serve.kv_dtype=int8", "--config.serve.model_name=tiny-int8",
+             "--config.serve.slots=2", "--config.serve.max_len=64", "--config.serve.max_prompt_tokens=32"]  # fmt: skip
+    with server(workdir, tmp_path / "server.log", *flags) as (port, _):
+        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none needed", max_retries=0)
+        done = sdk.completions.create(model="tiny-int8", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=1,
+                                      extra_body={"ignore_eos": True})  # fmt: skip
+    assert "int8 weights" in (tmp_path / "server.log").read_text()
+    choice = done.choices[0]
+    assert choice.text == tokenizer.decode(ids[start:])
+    np.testing.assert_allclose(
+        choice.logprobs.token_logprobs, want[np.arange(start - 1, len(ids) - 1), ids[start:]], atol=2e-3
+    )

@@ -95,6 +95,10 @@ CASES = {
         ["model.mlp=120 is not a multiple of 16", "FP8 GEMMs"],
     ),
     "fp8 amax reduction": ({"model.fp8.amax_reduce": "stage"}, ["model.fp8.amax_reduce='stage' is unknown", "'local'"]),
+    "training int8 weights": (
+        {"model.quantize": "int8"},
+        ["model.quantize='int8' holds int8 weights, which serve but do not train", "serve with --quantize int8"],
+    ),
     "trained BPE vs vocab": (
         {"data.bpe_vocab_size": 1024},
         ["data.bpe_vocab_size=1024 exceeds model.vocab_size=257", "set model.vocab_size=1024"],
@@ -135,6 +139,9 @@ SERVE_CASES = {
     "no slots": ({"serve.slots": 0}, ["serve.slots=0 must be at least 1"]),
     "longer than the model": ({"serve.max_len": 65}, ["serve.max_len=65", "model.max_seq_len=64"]),
     "unknown dtype": ({"serve.dtype": "int4"}, ["serve.dtype='int4' is unknown"]),
+    "int8 is no compute dtype": ({"serve.dtype": "int8"}, ["serve.dtype='int8' is unknown"]),
+    "unknown kv dtype": ({"serve.kv_dtype": "int4"}, ["serve.kv_dtype='int4' is unknown", "'int8'"]),
+    "unknown quantization": ({"model.quantize": "int4"}, ["model.quantize='int4' is unknown", "'int8'"]),
     "more devices than here": ({"serve.tensor": 16}, ["serve.tensor=16: this host has 8 devices"]),
     "kv heads vs tensor": ({"serve.tensor": 8}, ["model.num_kv_heads=4 is not divisible by serve.tensor=8"]),
     "no port": ({"serve.port": 0}, ["serve.port=0 must be in 1..65535"]),
@@ -159,7 +166,7 @@ def test_serving_config_resolves_its_defaults():
     trained = {"model.attention": "cudnn", "model.remat": "full", "parallel.stage": 2, "model.fp8.enabled": True}
     trained = apply_overrides(small_config(), trained)
     cfg = serving_config(trained, local_devices=8)  # 4 kv heads: 4 of the 8 devices split them
-    assert (cfg.serve.max_len, cfg.serve.dtype, cfg.serve.tensor) == (64, "float32", 4)
+    assert (cfg.serve.max_len, cfg.serve.dtype, cfg.serve.kv_dtype, cfg.serve.tensor) == (64, "float32", "float32", 4)
     assert (cfg.model.attention, cfg.model.remat, cfg.model.fp8.enabled) == ("xla", "none", False)
     assert [cfg.parallel[a] for a in ("data", "fsdp", "stage", "tensor")] == [1, 1, 1, 4]
     assert not cfg.serve.prompt_nll

@@ -13,7 +13,6 @@ import pathlib
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
@@ -21,7 +20,8 @@ from jax.sharding import Mesh
 from jaxllm.checkpoint.manager import UNREADABLE, CheckpointError, saved_config
 from jaxllm.config import with_defaults
 from jaxllm.model.decoder import param_specs
-from jaxllm.model.params import is_spec
+from jaxllm.model.int8 import quantize_weight
+from jaxllm.model.params import is_spec, storage_dtype
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.rules import tree_shardings
 
@@ -30,9 +30,33 @@ def _target(model: ml_collections.ConfigDict, mesh: Mesh, dtype: Any) -> dict:
     """Abstract canonical params, sharded on `mesh` by the rules table."""
     specs = param_specs(model)
     shardings = tree_shardings(specs, mesh, fit=True)  # any mesh: axes that do not divide a dim are left out
-    return jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype), sharding=sh), specs, shardings, is_leaf=is_spec
-    )
+
+    def target(spec, sharding):
+        return jax.ShapeDtypeStruct(spec.shape, storage_dtype(spec, dtype), sharding=sharding)
+
+    return jax.tree.map(target, specs, shardings, is_leaf=is_spec)
+
+
+def _is_int8(node: Any) -> bool:
+    return isinstance(node, dict) and set(node) == {"q", "scale"} and all(map(is_spec, node.values()))
+
+
+def _quantized(params: dict, model: ml_collections.ConfigDict, mesh: Mesh, dtype: Any) -> dict:
+    """`params` with each dense projection in int8 (see `model/int8.py`; one already in int8 is kept)
+    and the rest cast to `dtype`, placed on `mesh` by the rules table."""
+    int8_model = model.copy_and_resolve_references()
+    int8_model.quantize = "int8"
+    target = _target(int8_model, mesh, dtype)
+
+    def convert(spec, want, w):
+        if not _is_int8(spec):
+            return w.astype(want.dtype)
+        contracted = [i for i, axis in enumerate(spec["q"].axes) if axis not in spec["scale"].axes]
+        return w if isinstance(w, dict) else quantize_weight(w, contracted)
+
+    specs, shardings = param_specs(int8_model), jax.tree.map(lambda t: t.sharding, target)
+    quantize = jax.jit(lambda p: jax.tree.map(convert, specs, target, p, is_leaf=_is_int8), out_shardings=shardings)
+    return quantize(params)
 
 
 def _is_export(path: pathlib.Path) -> bool:
@@ -66,14 +90,30 @@ def stored_config(path: str | pathlib.Path) -> ml_collections.ConfigDict:
 
 
 def load_params(
-    path: str | pathlib.Path, mesh: Mesh | None = None, dtype: Any = None, step: int | None = None
+    path: str | pathlib.Path,
+    mesh: Mesh | None = None,
+    dtype: Any = None,
+    step: int | None = None,
+    quantize: str | None = None,
 ) -> tuple[ml_collections.ConfigDict, dict, int]:
     """(config, params, step) from an export directory or a training run's workdir (its latest
     checkpoint that reads back, or `step`). Params land in `mesh`'s shardings (default: the first
     device), cast to `dtype` (default: the config's param_dtype); a checkpoint's optimizer state
-    is never read."""
+    is never read. With `quantize="int8"`, full-precision params are quantized from their stored
+    dtype (an int8 export's weights are read as they are) and the config says so."""
     path = pathlib.Path(path).absolute()
     mesh = mesh or make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=1, stage=1, tensor=1)), jax.devices()[:1])
+    if quantize is None:
+        return _read_params(path, mesh, dtype, step)
+    cfg, params, step = _read_params(path, mesh, None, step)
+    params = _quantized(params, cfg.model, mesh, dtype or cfg.model.param_dtype)
+    cfg.model.quantize = quantize
+    return cfg, params, step
+
+
+def _read_params(
+    path: pathlib.Path, mesh: Mesh, dtype: Any, step: int | None
+) -> tuple[ml_collections.ConfigDict, dict, int]:
     if _is_export(path):
         cfg = stored_config(path)
         target = _target(cfg.model, mesh, dtype or cfg.model.param_dtype)

@@ -20,7 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxllm.config import sizes
 from jaxllm.model import layers
 from jaxllm.model.cache import LAYER_AXES
-from jaxllm.model.dense import projections
+from jaxllm.model.dense import dense_weight, projections
 from jaxllm.model.params import declare, params_of, value_axes
 from jaxllm.parallel.rules import constrain
 from jaxllm.parallel.tensor_parallel import RESIDUAL, tensor_parallel
@@ -53,17 +53,17 @@ class Attention(nnx.Module):
     attends and projects out with the layer's own output projection."""
 
     def __init__(self, model: ml_collections.ConfigDict, stack: Stack = UNSTACKED):
-        (lead, lead_axes), h, s, dt, std = stack, model.hidden, sizes(model), model.param_dtype, model.init_std
+        h, s, std = model.hidden, sizes(model), model.init_std
         hd, kv = s.head_dim, s.kv_heads
-        self.implementation, self.fp8 = model.attention, model.fp8
-        self.q = declare((*lead, h, model.num_heads, hd), (*lead_axes, "embed", "heads", "head_dim"), dt, std=std)
-        self.k = declare((*lead, h, kv, hd), (*lead_axes, "embed", "kv_heads", "head_dim"), dt, std=std)
-        self.v = declare((*lead, h, kv, hd), (*lead_axes, "embed", "kv_heads", "head_dim"), dt, std=std)
+        self.implementation, self.project = model.attention, projections(model)
+        self.q = dense_weight(model, stack, (h, model.num_heads, hd), ("embed", "heads", "head_dim"), 1, std)
+        self.k = dense_weight(model, stack, (h, kv, hd), ("embed", "kv_heads", "head_dim"), 1, std)
+        self.v = dense_weight(model, stack, (h, kv, hd), ("embed", "kv_heads", "head_dim"), 1, std)
 
-    def __call__(self, x: jax.Array, o_proj: nnx.Param, ctx: layers.Context, cached=None):
+    def __call__(self, x: jax.Array, o_proj: nnx.Param | nnx.Module, ctx: layers.Context, cached=None):
         """The attention block's output; with `cached` (a layer's keys and values from a
         `KVCache`), (output, new keys, new values) instead."""
-        project = projections(self.fp8)
+        project = self.project
         if cached is not None:
             new = ("batch", None, "kv_heads", "head_dim")
             attend = tensor_parallel(
@@ -71,25 +71,25 @@ class Attention(nnx.Module):
                 value_axes(self), value_axes(o_proj), (), LAYER_AXES, LAYER_AXES, (),
                 kept_axes=(new, new),
             )  # fmt: skip
-            return attend(x, params_of(self), o_proj.get_value(), ctx.rope, *cached, ctx.positions)
+            return attend(x, params_of(self), params_of(o_proj), ctx.rope, *cached, ctx.positions)
         attention = partial(layers.attention, implementation=self.implementation, project=project)
         attend = tensor_parallel(attention, value_axes(self), value_axes(o_proj), (), ())
-        return attend(x, params_of(self), o_proj.get_value(), ctx.rope, ctx.segment_ids)
+        return attend(x, params_of(self), params_of(o_proj), ctx.rope, ctx.segment_ids)
 
 
 class FeedForward(nnx.Module):
     """GLU (SwiGLU / GeGLU) or plain GELU MLP."""
 
     def __init__(self, model: ml_collections.ConfigDict, stack: Stack = UNSTACKED):
-        (lead, lead_axes), h, m, dt = stack, model.hidden, model.mlp, model.param_dtype
-        self.activation, self.fp8 = model.mlp_activation, model.fp8
-        self.up = declare((*lead, h, m), (*lead_axes, "embed", "mlp"), dt, std=model.init_std)
-        self.down = declare((*lead, m, h), (*lead_axes, "mlp", "embed"), dt, std=_residual_std(model))
+        h, m = model.hidden, model.mlp
+        self.activation, self.project = model.mlp_activation, projections(model)
+        self.up = dense_weight(model, stack, (h, m), ("embed", "mlp"), 1, model.init_std)
+        self.down = dense_weight(model, stack, (m, h), ("mlp", "embed"), 1, _residual_std(model))
         if sizes(model).gated:
-            self.gate = declare((*lead, h, m), (*lead_axes, "embed", "mlp"), dt, std=model.init_std)
+            self.gate = dense_weight(model, stack, (h, m), ("embed", "mlp"), 1, model.init_std)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        mlp = partial(layers.feed_forward, activation=self.activation, project=projections(self.fp8))
+        mlp = partial(layers.feed_forward, activation=self.activation, project=self.project)
         run = tensor_parallel(mlp, value_axes(self))
         return run(x, params_of(self))
 
@@ -98,13 +98,10 @@ class DecoderLayer(nnx.Module):
     """One pre-norm layer; its group's `Attention` comes in as an argument (shared by structure)."""
 
     def __init__(self, model: ml_collections.ConfigDict, stack: Stack = UNSTACKED):
-        (lead, lead_axes), h = stack, model.hidden
+        head_dims = (model.num_heads, sizes(model).head_dim)
         self.attn_norm = Norm(model, stack)
-        self.o_proj = declare(
-            (*lead, model.num_heads, sizes(model).head_dim, h),
-            (*lead_axes, "heads", "head_dim", "embed"),
-            model.param_dtype,
-            std=_residual_std(model),
+        self.o_proj = dense_weight(
+            model, stack, (*head_dims, model.hidden), ("heads", "head_dim", "embed"), 2, _residual_std(model)
         )
         self.mlp_norm = Norm(model, stack)
         self.mlp = FeedForward(model, stack)

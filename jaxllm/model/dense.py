@@ -1,6 +1,7 @@
-"""The one op every dense projection (q, k, v, o_proj, gate, up, down) goes through: `x` projected
-by each of several weights through an einsum `spec` (e.g. "bte,ehd->bthd"), in x's dtype. The
-default is plain einsums; `model.fp8.enabled` swaps in FP8 (`fp8.py`). Attention scores, the PV
+"""The dense projections (q, k, v, o_proj, gate, up, down): their weights' declaration and the one
+op they all go through, `x` projected by each of several weights through an einsum `spec` (e.g.
+"bte,ehd->bthd"), in x's dtype. The default is plain einsums; `model.fp8.enabled` swaps in FP8
+(`fp8.py`) and `model.quantize="int8"` int8 weights (`int8.py`, serving). Attention scores, the PV
 product, the embedding and the LM head stay in the compute dtype."""
 
 from __future__ import annotations
@@ -9,10 +10,30 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import ml_collections
+from flax import nnx
 
 from jaxllm.model.fp8 import fp8_projections
+from jaxllm.model.int8 import Int8Weight, int8_projections
+from jaxllm.model.params import declare
 
 Project = Callable[[jax.Array, tuple[jax.Array, ...], str], tuple[jax.Array, ...]]
+
+
+def dense_weight(
+    model: ml_collections.ConfigDict,
+    stack: tuple[tuple[int, ...], tuple[str, ...]],
+    shape: tuple[int, ...],
+    axes: tuple[str, ...],
+    contracted: int,
+    std: float,
+) -> nnx.Param | Int8Weight:
+    """A projection's weight of `shape` (its first `contracted` dims are summed over), behind the
+    `stack` dims; int8 with its scales when the model is quantized."""
+    lead, lead_axes = stack
+    if model.quantize == "int8":
+        return Int8Weight((*lead, *shape), (*lead_axes, *axes), range(len(lead), len(lead) + contracted))
+    return declare((*lead, *shape), (*lead_axes, *axes), model.param_dtype, std=std)
 
 
 def einsum_projections(x: jax.Array, weights: tuple[jax.Array, ...], spec: str) -> tuple[jax.Array, ...]:
@@ -20,6 +41,8 @@ def einsum_projections(x: jax.Array, weights: tuple[jax.Array, ...], spec: str) 
     return tuple(jnp.einsum(spec, x, w.astype(x.dtype)) for w in weights)
 
 
-def projections(fp8) -> Project:
-    """The op a model's `fp8` settings ask for."""
-    return fp8_projections(fp8.amax_reduce) if fp8.enabled else einsum_projections
+def projections(model: ml_collections.ConfigDict) -> Project:
+    """The op a model's precision settings ask for."""
+    if model.quantize == "int8":
+        return int8_projections
+    return fp8_projections(model.fp8.amax_reduce) if model.fp8.enabled else einsum_projections

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.pallas.ops.gpu.attention import mha
 
+from jaxllm.model.cache import Entries, Int8, encode
 from jaxllm.model.dense import Project, einsum_projections
 from jaxllm.parallel.rules import manual_spec
 
@@ -79,18 +80,27 @@ def document_mask(segment_ids: jax.Array | None, length: int) -> jax.Array:
     return attention_mask(index, index, segments, segments)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, kv_layout: str = "bskd") -> jax.Array:
+def attend(q: jax.Array, k: Entries, v: Entries, mask: jax.Array, kv_layout: str = "bskd") -> jax.Array:
     """Grouped-query attention as einsums under an explicit mask (keys of any length).
     q: [b, t, heads, d]; k, v: [b, s, kv_heads, d], or [b, kv_heads, s, d] with `kv_layout`
-    "bksd" (a KV cache's); mask: [b, 1, t, s]. Softmax in fp32."""
+    "bksd" (a KV cache's, whose entries may be `Int8`); mask: [b, 1, t, s]. Softmax in fp32."""
     b, t, nh, d = q.shape
+    (k, k_scale), (v, v_scale) = _cached(k, q.dtype), _cached(v, q.dtype)
     kv = k.shape[kv_layout.index("k")]
     q = q.reshape(b, t, kv, nh // kv, d)
     scores = jnp.einsum(f"btkgd,{kv_layout}->bkgts", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(d)
-    scores = jnp.where(mask[:, :, None], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    scores = jnp.where(mask[:, :, None], scores * k_scale, NEG_INF)
+    probs = (jax.nn.softmax(scores, axis=-1) * v_scale).astype(v.dtype)
     out = jnp.einsum(f"bkgts,{kv_layout}->btkgd", probs, v)
     return out.reshape(b, t, nh, d)
+
+
+def _cached(entries: Entries, dtype) -> tuple[jax.Array, jax.Array | float]:
+    """(entries in `dtype`, the scale of each position's scores [b, kv_heads, 1, 1, s], or 1): an
+    int8 key's scale multiplies its scores, an int8 value's its probabilities."""
+    if isinstance(entries, Int8):
+        return entries.q.astype(dtype), jnp.swapaxes(entries.scale, -1, -2)[:, :, None]
+    return entries.astype(dtype), 1.0
 
 
 def library_attention(
@@ -154,11 +164,12 @@ def attention(
     return project(ctx, (o_proj,), "bthd,hde->bte")[0]
 
 
-def _write_positions(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+def _write_positions(cache: Entries, new: Entries, start: jax.Array) -> Entries:
     """A layer's `cache` [b, kv_heads, S, d] with row r's `new` [b, t, kv_heads, d] written at
     positions start[r]..start[r]+t-1."""
     write = partial(jax.lax.dynamic_update_slice_in_dim, axis=1)
-    return jax.vmap(lambda c, n, s: write(c, n.swapaxes(0, 1).astype(c.dtype), s))(cache, new, start)
+    rows = jax.vmap(lambda c, n, s: write(c, n.swapaxes(0, 1).astype(c.dtype), s))
+    return jax.tree.map(lambda c, n: rows(c, n, start), cache, new)
 
 
 def cached_attention(
@@ -166,25 +177,26 @@ def cached_attention(
     qkv: dict,
     o_proj: jax.Array,
     rope: tuple[jax.Array, jax.Array],
-    keys: jax.Array,
-    values: jax.Array,
+    keys: Entries,
+    values: Entries,
     positions: jax.Array,
     project: Project = einsum_projections,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, Entries, Entries]:
     """Attention of new tokens at `positions` [b, t] (consecutive per row) over a layer's cached
     keys and values [b, kv_heads, max_len, d] (that order lets both matmuls read them without a
     transpose) with theirs written in: (output, their keys, their values), the last two for the
     caller to store."""
     q, k, v = _project_qkv(x, qkv, rope, project)
-    keys, values = _write_positions(keys, k, positions[:, 0]), _write_positions(values, v, positions[:, 0])
-    causal = jnp.arange(keys.shape[2])[None, None] <= positions[:, :, None]  # [b, t, max_len]
-    ctx = attend(q, keys.astype(q.dtype), values.astype(v.dtype), causal[:, None], kv_layout="bksd")
+    keys = _write_positions(keys, encode(k, keys), positions[:, 0])
+    values = _write_positions(values, encode(v, values), positions[:, 0])
+    causal = jnp.arange(jax.tree.leaves(keys)[0].shape[2])[None, None] <= positions[:, :, None]  # [b, t, max_len]
+    ctx = attend(q, keys, values, causal[:, None], kv_layout="bksd")
     (out,) = project(ctx, (o_proj,), "bthd,hde->bte")
     # The new entries are handed back as read from the updated slice, not as projected: the
     # caller's write into the whole cache then depends on this read of it, so the compiler can
     # write in place instead of copying the cache to keep the read safe.
     written = jax.vmap(lambda c, p: c[:, p].swapaxes(0, 1))  # [kv, t, d] → [t, kv, d]
-    return out, written(keys, positions), written(values, positions)
+    return out, *(jax.tree.map(lambda c: written(c, positions), entries) for entries in (keys, values))
 
 
 def feed_forward(x: jax.Array, p: dict, activation: str, project: Project = einsum_projections) -> jax.Array:

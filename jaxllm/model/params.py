@@ -30,17 +30,26 @@ class ParamSpec:
     axes: tuple[str | None, ...]
     init: str = "normal"  # 'normal' | 'ones' | 'zeros'
     std: float = 0.0
+    dtype: str | None = None  # a storage dtype of its own (int8 weights, their scales); None: the param dtype
 
 
 def declare(
-    shape: tuple[int, ...], axes: tuple[str | None, ...], dtype: Any, init: str = "normal", std: float = 0.0
+    shape: tuple[int, ...],
+    axes: tuple[str | None, ...],
+    dtype: Any,
+    init: str = "normal",
+    std: float = 0.0,
+    own_dtype: bool = False,
 ) -> nnx.Param:
     """A parameter with its logical axis names and initialiser, holding only its shape until the
     decoder gives every parameter its value by path. No eager sharding: placement comes from the
-    rules table through `jit(out_shardings)`."""
+    rules table through `jit(out_shardings)`. With `own_dtype`, it keeps `dtype` whatever dtype
+    the other params are cast to (int8 weights and their scales)."""
+    fixed = jnp.dtype(dtype).name if own_dtype else None
     return nnx.Param(
-        jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)), out_sharding=axes, init=init, std=std, eager_sharding=False
-    )
+        jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)),
+        out_sharding=axes, init=init, std=std, own_dtype=fixed, eager_sharding=False,
+    )  # fmt: skip
 
 
 def _param_tree(module: nnx.Module, leaf: Callable[[nnx.Param], Any]) -> dict:
@@ -55,13 +64,15 @@ def _param_tree(module: nnx.Module, leaf: Callable[[nnx.Param], Any]) -> dict:
 
 
 def params_of(module: nnx.Module) -> Params:
-    """The module's parameters as a plain dict of arrays."""
+    """The module's parameters as a plain dict of arrays (a lone parameter's value as is)."""
+    if isinstance(module, nnx.Param):
+        return module.get_value()
     return _param_tree(module, lambda p: p.get_value())
 
 
 def specs_of(module: nnx.Module) -> dict[str, Any]:
     """The module's parameters as ParamSpecs (shape, logical axes, initialiser)."""
-    return _param_tree(module, lambda p: ParamSpec(tuple(p.shape), tuple(p.out_sharding), p.init, p.std))
+    return _param_tree(module, lambda p: ParamSpec(tuple(p.shape), tuple(p.out_sharding), p.init, p.std, p.own_dtype))
 
 
 def value_axes(param: nnx.Param | nnx.Module) -> Any:
@@ -71,6 +82,11 @@ def value_axes(param: nnx.Param | nnx.Module) -> Any:
         return _param_tree(param, value_axes)
     axes = tuple(param.out_sharding)
     return axes[len(axes) - param.ndim :]
+
+
+def storage_dtype(spec: ParamSpec, dtype: Any) -> jnp.dtype:
+    """What a parameter is stored in when the params are in `dtype`."""
+    return jnp.dtype(spec.dtype or dtype)
 
 
 def is_spec(x: Any) -> bool:
@@ -96,14 +112,16 @@ def _normal(key: jax.Array, shape: tuple[int, ...], std: float, dtype: Any) -> j
 
 
 def init_params(specs: dict[str, Any], key: jax.Array, dtype: Any = jnp.float32) -> Params:
-    """Initial values from the base `key` (`jax.random.key(seed)`) and each parameter's path."""
+    """Initial values from the base `key` (`jax.random.key(seed)`) and each parameter's path, in
+    `dtype` unless a parameter has its own."""
 
     def init(path: tuple, spec: ParamSpec) -> jax.Array:
+        stored = storage_dtype(spec, dtype)
         if spec.init == "ones":
-            return jnp.ones(spec.shape, dtype)
+            return jnp.ones(spec.shape, stored)
         if spec.init == "zeros":
-            return jnp.zeros(spec.shape, dtype)
-        return _normal(path_key(key, path), spec.shape, spec.std, jnp.dtype(dtype))
+            return jnp.zeros(spec.shape, stored)
+        return _normal(path_key(key, path), spec.shape, spec.std, stored)
 
     return jax.tree_util.tree_map_with_path(init, specs, is_leaf=is_spec)
 

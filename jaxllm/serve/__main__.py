@@ -1,4 +1,4 @@
-"""`python -m jaxllm.serve (--workdir RUN | --checkpoint EXPORT) [--config.serve.X=...]`: serves
+"""`python -m jaxllm.serve (--workdir RUN | --checkpoint EXPORT) [--quantize int8] [--config.serve.X=...]`: serves
 the model over HTTP (OpenAI's API) on serve.host:serve.port. The server answers at once (/health
 is 503 until every step has compiled). With `--prompt`, completes the prompts and exits instead."""
 
@@ -24,6 +24,9 @@ from jaxllm.serve.metrics import Metrics
 CONFIG = config_flags.DEFINE_config_dict("config", base_config(), "Overrides of the checkpoint's config.")
 WORKDIR = flags.DEFINE_string("workdir", None, "A training run: serve its latest readable checkpoint.")
 CHECKPOINT = flags.DEFINE_string("checkpoint", None, "An export (python -m jaxllm.export).")
+QUANTIZE = flags.DEFINE_enum(
+    "quantize", None, ["int8"], "int8 weights, per-output-channel scales, quantized at load (an int8 export: as is)."
+)
 TOKENIZER = flags.DEFINE_string("tokenizer", None, "'gpt2' or a tokenizer.json instead of the saved one (must match).")
 API_KEYS = flags.DEFINE_string("api-keys", None, "A file of API keys, one per line (also: JAXLLM_API_KEYS=k1,k2).")
 DENY = flags.DEFINE_string("deny", None, "A file of regexes, one per line, refused in any request's text.")
@@ -95,6 +98,8 @@ def main(argv) -> None:
         raise ConfigError("pass exactly one of --workdir RUN (a training run) or --checkpoint EXPORT")
     path = WORKDIR.value or CHECKPOINT.value
     overrides = config_flags.get_override_values(flags.FLAGS["config"])
+    if QUANTIZE.value:
+        overrides["model.quantize"] = QUANTIZE.value
     cfg, tokenizer = serving_setup(path, overrides, TOKENIZER.value)
     (complete_prompts if PROMPT.value else serve_http)(path, cfg, tokenizer)
 

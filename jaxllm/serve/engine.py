@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.data.tokenizer import Tokenizer
 from jaxllm.errors import JaxllmError
-from jaxllm.model.cache import AXES, KVCache
+from jaxllm.model.cache import AXES
 from jaxllm.model.sampling import Sampling
 from jaxllm.parallel.rules import logical_spec
 from jaxllm.serve.guards import prompt_perplexity
@@ -195,10 +195,12 @@ class Engine:
         self._active: dict[int, tuple[Generation, int]] = {}  # slot → (request, choice)
         self.failure: BaseException | None = None  # why serve_forever stopped, if a step failed
         with jax.set_mesh(mesh):
-            cache = NamedSharding(mesh, logical_spec(AXES))
+            cache = NamedSharding(mesh, logical_spec(AXES))  # an int8 cache's scales too (their head_dim is 1)
             replicated = NamedSharding(mesh, P())
-            state = DecodeState.empty(model, s.slots, s.max_len)
-            shardings = DecodeState(KVCache(cache, cache), *(jax.tree.map(lambda _: replicated, state[1:])))
+            state = DecodeState.empty(model, s.slots, s.max_len, s.kv_dtype)
+            shardings = DecodeState(
+                jax.tree.map(lambda _: cache, state.cache), *(jax.tree.map(lambda _: replicated, state[1:]))
+            )
             self.state = jax.device_put(state, shardings)
             self._compile(model, shardings)
 
@@ -210,7 +212,8 @@ class Engine:
         prefix_shardings = Prefix(cache, replicated, replicated, replicated)
         for bucket in self.buckets:
             tokens, length = jnp.zeros(bucket, jnp.int32), jnp.int32(1)
-            prefill_step = partial(prefill, model=model, vocab_size=self.vocab_size, logprobs=self.cfg.serve.prompt_nll)
+            prefill_step = partial(prefill, model=model, vocab_size=self.vocab_size, logprobs=self.cfg.serve.prompt_nll,
+                                   kv_dtype=self.cfg.serve.kv_dtype)  # fmt: skip
             prefill_step = jax.jit(prefill_step, out_shardings=prefix_shardings)
             self._prefill[bucket] = prefill_step.lower(self.params, tokens, length).compile()
             prefix = jax.eval_shape(prefill_step, self.params, tokens, length)

@@ -11,7 +11,7 @@ import jax
 import ml_collections
 
 from jaxllm.checkpoint import load_params, stored_config
-from jaxllm.config import apply_overrides, serving_config
+from jaxllm.config import ConfigError, apply_overrides, serving_config
 from jaxllm.data.tokenizer import Tokenizer, load_saved_tokenizer
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.serve.engine import Engine
@@ -25,16 +25,21 @@ def serving_setup(
     path = pathlib.Path(path)
     saved_tokenizer = load_saved_tokenizer(path / "tokenizer", tokenizer)
     cfg = stored_config(path)
+    stored_int8 = cfg.model.quantize == "int8"
     apply_overrides(cfg, overrides or {})
+    if stored_int8 and cfg.model.quantize != "int8":
+        raise ConfigError(f"{path} holds int8 weights, which serve only as int8; drop the model.quantize override "
+                          "or serve the training run it was exported from")  # fmt: skip
     return serving_config(cfg, jax.local_device_count()), saved_tokenizer
 
 
 def start_engine(path: str | pathlib.Path, cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> Engine:
     """Reads the params at `path` into the serving shardings and compiles every step."""
     mesh = make_mesh(cfg.parallel, jax.local_devices()[: cfg.serve.tensor])
-    _, params, step = load_params(pathlib.Path(path), mesh, cfg.serve.dtype)
-    print(f"serve: step {step} of {pathlib.Path(path).absolute()}, {cfg.serve.dtype}, tensor parallel over "
-          f"{cfg.serve.tensor}", flush=True)  # fmt: skip
+    _, params, step = load_params(pathlib.Path(path), mesh, cfg.serve.dtype, quantize=cfg.model.quantize)
+    weights = f"int8 weights, {cfg.serve.dtype} compute" if cfg.model.quantize else cfg.serve.dtype
+    print(f"serve: step {step} of {pathlib.Path(path).absolute()}, {weights}, {cfg.serve.kv_dtype} KV cache, tensor "
+          f"parallel over {cfg.serve.tensor}", flush=True)  # fmt: skip
     return Engine(params, cfg, tokenizer, mesh)
 
 

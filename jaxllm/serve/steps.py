@@ -98,11 +98,12 @@ def prefill(
     model: ml_collections.ConfigDict,
     vocab_size: int,
     logprobs: bool,
+    kv_dtype: str | None = None,
 ) -> Prefix:
-    """`tokens` [bucket] (the prompt, then padding) of which the first `length` count. With
-    `logprobs`, also each prompt token's log-prob (after the first) and the top alternatives, which
-    costs the LM head over the whole prompt instead of once."""
-    empty = KVCache.empty(model, 1, tokens.shape[0])
+    """`tokens` [bucket] (the prompt, then padding) of which the first `length` count, into a cache
+    of `kv_dtype` (default: the model's). With `logprobs`, also each prompt token's log-prob (after
+    the first) and the top alternatives, which costs the LM head over the whole prompt instead of once."""
+    empty = KVCache.empty(model, 1, tokens.shape[0], kv_dtype)
     if not logprobs:
         logits, cache = forward(params, tokens[None], model, cache=empty, logits_at=(length - 1)[None])
         return Prefix(cache, logits[0, 0], length, _without_logprobs(tokens[1:]))
@@ -120,7 +121,7 @@ def insert(prefix: Prefix, state: DecodeState, slot: jax.Array, sampling: Sampli
         start = (0, 0, slot, 0, 0, 0)
         return jax.lax.dynamic_update_slice(all_slots, one.astype(all_slots.dtype), start)
 
-    cache = KVCache(put(state.cache.keys, prefix.cache.keys), put(state.cache.values, prefix.cache.values))
+    cache = jax.tree.map(put, state.cache, prefix.cache)
     state = DecodeState(
         cache,
         state.tokens.at[slot].set(first[0]),

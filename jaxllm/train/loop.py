@@ -79,8 +79,22 @@ def _announce(run: Run, progress: bool) -> None:
         print(run.cfg.to_json_best_effort(indent=2))
     print(describe(run.mesh))
     print(plan.summary(run.cfg), flush=True)
-    if run.cfg.model.remat == "offload" and jax.devices()[0].platform == "cpu":
-        print("remat 'offload': on CPU host and device memory are one, so offloading saves nothing here")
+    for note in offload_notes(run.cfg, jax.devices()[0].platform):
+        print(note)
+
+
+def offload_notes(cfg: ml_collections.ConfigDict, platform: str) -> list[str]:
+    """What each host offload in `cfg` does on `platform`, said at start-up."""
+    offloaded = {
+        "model.remat='offload': the named activations go to": cfg.model.remat == "offload",
+        "parallel.offload_optimizer: the optimizer state lives in": cfg.parallel.offload_optimizer,
+    }
+    where = (
+        "which on CPU is the device's own memory, so this saves nothing here"
+        if platform == "cpu"
+        else ("and each step moves it in and out over the host link")
+    )
+    return [f"{what} pinned_host memory, {where}" for what, on in offloaded.items() if on]
 
 
 def roll_back(checkpoints: Checkpointer, state: State, before: int) -> tuple[State, int] | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+from functools import partial
 from typing import Any
 
 import jax
@@ -15,6 +16,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllm.checkpoint import Checkpointer
+from jaxllm.config import ConfigError
 from jaxllm.model.decoder import param_specs
 from jaxllm.model.params import is_spec
 from jaxllm.parallel.rules import OPTIMIZER_RULES, RULES, logical_spec, tree_shardings
@@ -22,6 +24,7 @@ from jaxllm.parallel.schedule import Schedule, schedule_of
 from jaxllm.train.optim import make_optimizer
 
 State = dict[str, Any]  # {'step', 'params', 'opt_state'}: plain arrays, ready for Orbax
+HOST = "pinned_host"  # the memory kind of host-offloaded arrays
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -46,13 +49,16 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def build_run(cfg: ml_collections.ConfigDict, mesh: Mesh) -> Run:
-    schedule, optimizer = schedule_of(cfg), make_optimizer(cfg.train)
+    schedule, optimizer, p = schedule_of(cfg), make_optimizer(cfg.train), cfg.parallel
     dtype = jnp.dtype(cfg.model.param_dtype)
-    own = _abstract_state(param_specs(cfg.model, schedule), optimizer, mesh, cfg.parallel.zero1, RULES, dtype)
+    if p.offload_optimizer:
+        check_host_memory(mesh.devices.flat[0])
+    state = partial(_abstract_state, optimizer=optimizer, mesh=mesh, zero1=p.zero1, offload=p.offload_optimizer,
+                    dtype=dtype)  # fmt: skip
+    own = state(param_specs(cfg.model, schedule), rules=RULES)
     # Canonical [groups, ...] split in contiguous blocks over `stage`: the same bytes per device as
     # the pipeline view (exactly its layout when repeats = 1), resharded to it after the read.
-    canonical_rules = RULES if schedule is None else {**RULES, "layers": "stage"}
-    canonical = _abstract_state(param_specs(cfg.model), optimizer, mesh, cfg.parallel.zero1, canonical_rules, dtype)
+    canonical = state(param_specs(cfg.model), rules=RULES if schedule is None else {**RULES, "layers": "stage"})
     return Run(
         cfg=cfg,
         mesh=mesh,
@@ -64,9 +70,23 @@ def build_run(cfg: ml_collections.ConfigDict, mesh: Mesh) -> Run:
     )
 
 
-def _abstract_state(specs, optimizer, mesh: Mesh, zero1: bool, rules: dict, dtype) -> State:
+def check_host_memory(device) -> None:
+    """Refuses optimizer offload on a backend whose devices have no pinned host memory."""
+    kinds = [m.kind for m in device.addressable_memories()]
+    if HOST not in kinds:
+        raise ConfigError(f"parallel.offload_optimizer needs {HOST!r} memory, and this backend's devices "
+                          f"({device.platform}) have {kinds}; set parallel.offload_optimizer=False")  # fmt: skip
+
+
+def on_device(shardings: State) -> State:
+    """The same shardings in device memory (what a step computes on)."""
+    return jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
+
+
+def _abstract_state(specs, optimizer, mesh: Mesh, zero1: bool, offload: bool, rules: dict, dtype) -> State:
     """Shapes, dtypes and shardings of the train state. Params follow `rules`; optimizer moments
-    follow their params and, with ZeRO-1, are also split over `data` where the dim allows."""
+    follow their params and, with ZeRO-1, are also split over `data` where the dim allows. With
+    `offload`, the optimizer state lives in pinned host memory between steps."""
     params = tree_shardings(specs, mesh, rules)
     moment_rules = {**rules, "embed": OPTIMIZER_RULES["embed"]} if zero1 else rules
     moments = tree_shardings(specs, mesh, moment_rules, fit=True)
@@ -79,6 +99,8 @@ def _abstract_state(specs, optimizer, mesh: Mesh, zero1: bool, rules: dict, dtyp
         opt_shapes,
         is_leaf=lambda node: jax.tree.structure(node) == params_def,
     )
+    if offload:
+        opt_shardings = jax.tree.map(lambda s: s.with_memory_kind(HOST), opt_shardings)
     state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": shapes, "opt_state": opt_shapes}
     shardings = {"step": replicated, "params": params, "opt_state": opt_shardings}
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, shardings)

@@ -15,7 +15,7 @@ from jaxllm.model.params import params_of
 from jaxllm.parallel.rules import activation_rules, rules_for
 from jaxllm.parallel.schedule import Schedule, schedule_of, split_microbatches
 from jaxllm.train.optim import learning_rate
-from jaxllm.train.run import Run, State
+from jaxllm.train.run import Run, State, on_device
 
 Batch = dict[str, jax.Array]  # 'inputs', 'targets', optional 'loss_mask', 'segment_ids', 'positions'
 
@@ -91,13 +91,16 @@ def _train_step(state: State, batch: Batch, run: Run) -> tuple[State, dict]:
     grad_norm = optax.tree.norm(grads)
     # A non-finite loss or gradient skips the update: params and optimizer state stay as they were.
     finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
-    new_params, opt_state = apply_optimizer(run.optimizer, grads, params, state["opt_state"], finite)
-    new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}
+    opt_state = state["opt_state"]
+    if cfg.parallel.offload_optimizer:  # in from host memory for the update; out_shardings send it back
+        opt_state = jax.device_put(opt_state, on_device(run.shardings["opt_state"]))
+    new_params, new_opt_state = apply_optimizer(run.optimizer, grads, params, opt_state, finite)
+    new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": new_opt_state}
     metrics = {
         "loss": total / count,
         "grad_norm": grad_norm,
         # The schedule follows applied updates (a skipped step does not advance it, as in Megatron).
-        "lr": learning_rate(cfg.train)(optax.tree_utils.tree_get_all_with_path(state["opt_state"], "count")[0][1]),
+        "lr": learning_rate(cfg.train)(optax.tree_utils.tree_get_all_with_path(opt_state, "count")[0][1]),
         "tokens": count,
         "skipped": 1 - finite.astype(jnp.int32),
     }

@@ -1,0 +1,55 @@
+"""INT8 weight-only serving: each dense projection's weight is stored as int8 `q` with symmetric
+per-output-channel scales, `scale = max|W| over the contracted axes / 127`, and applied as
+`einsum(x, q) * scale` (the int8 values are exact in any float dtype).
+
+A quantized weight keeps its key in the params tree and holds `{"q": int8, "scale": fp32}`; the
+scale's logical axes are the weight's minus the contracted ones, so the rules table shards it
+with no entry of its own: a column-parallel scale is split with its output channels, a
+row-parallel one is replicated and commutes with the tensor-parallel sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxllm.model.params import declare
+
+INT8_MAX = 127
+
+
+class Int8Weight(nnx.Module):
+    """The int8 form of a weight of `shape` whose dims `contracted` a projection sums over."""
+
+    def __init__(self, shape: tuple[int, ...], axes: tuple[str | None, ...], contracted: Sequence[int]):
+        kept = [i for i in range(len(shape)) if i not in contracted]
+        self.q = declare(shape, axes, jnp.int8, "zeros", own_dtype=True)
+        self.scale = declare(tuple(shape[i] for i in kept), tuple(axes[i] for i in kept), jnp.float32, "ones",
+                             own_dtype=True)  # fmt: skip
+
+
+def symmetric_int8(x: jax.Array, axes: Sequence[int], keepdims: bool = False) -> tuple[jax.Array, jax.Array]:
+    """(q, scale): `x` ≈ q × scale with one fp32 scale per slice over `axes`, `max|x| / 127` (0 for
+    an all-zero slice)."""
+    x, axes = x.astype(jnp.float32), tuple(axes)
+    scale = jnp.max(jnp.abs(x), axis=axes, keepdims=True) / INT8_MAX
+    q = jnp.clip(jnp.round(x / jnp.where(scale > 0, scale, 1.0)), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    return q, scale if keepdims else jnp.squeeze(scale, axes)
+
+
+def quantize_weight(w: jax.Array, contracted: Sequence[int]) -> dict[str, jax.Array]:
+    """{"q", "scale"} of `w` with one scale per output channel."""
+    q, scale = symmetric_int8(w, contracted)
+    return {"q": q, "scale": scale}
+
+
+def int8_projections(x: jax.Array, weights: tuple[dict, ...], spec: str) -> tuple[jax.Array, ...]:
+    """`project` for int8 weights: each einsum in x's dtype with fp32 results, times the scale
+    (the output's trailing dims are the weight's output channels), back in x's dtype."""
+    return tuple(
+        (jnp.einsum(spec, x, w["q"].astype(x.dtype), preferred_element_type=jnp.float32) * w["scale"]).astype(x.dtype)
+        for w in weights
+    )
