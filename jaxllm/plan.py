@@ -16,6 +16,7 @@ import ml_collections
 
 from jaxllm.config import MESH_AXES, sizes
 from jaxllm.model.decoder import param_specs
+from jaxllm.model.int8 import int8_model
 from jaxllm.model.params import is_norm, is_spec, storage_dtype
 from jaxllm.parallel.rules import GATHERED_RULES, OPTIMIZER_RULES, RULES, as_tuple, logical_spec
 from jaxllm.parallel.schedule import schedule_of
@@ -153,9 +154,7 @@ def weight_bytes(model: ml_collections.ConfigDict) -> dict[str, float]:
     dense projections int8 with fp32 scales, the embedding, head and norms in bf16."""
     total = param_counts(model)["total"]
     out = {width: total * size for width, size in WEIGHT_BYTES.items()}
-    int8_model = model.copy_and_resolve_references()
-    int8_model.quantize = "int8"
-    specs = jax.tree.leaves(param_specs(int8_model), is_leaf=is_spec)
+    specs = jax.tree.leaves(param_specs(int8_model(model)), is_leaf=is_spec)
     out["int8 as served"] = sum(math.prod(s.shape) * storage_dtype(s, jnp.bfloat16).itemsize for s in specs)
     return out
 

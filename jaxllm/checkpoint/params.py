@@ -20,15 +20,14 @@ from jax.sharding import Mesh
 from jaxllm.checkpoint.manager import UNREADABLE, CheckpointError, saved_config
 from jaxllm.config import with_defaults
 from jaxllm.model.decoder import param_specs
-from jaxllm.model.int8 import quantize_weight
+from jaxllm.model.int8 import int8_model, quantize_weight
 from jaxllm.model.params import is_spec, storage_dtype
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.rules import tree_shardings
 
 
-def _target(model: ml_collections.ConfigDict, mesh: Mesh, dtype: Any) -> dict:
-    """Abstract canonical params, sharded on `mesh` by the rules table."""
-    specs = param_specs(model)
+def _target(specs: dict, mesh: Mesh, dtype: Any) -> dict:
+    """Abstract canonical params of `specs`, sharded on `mesh` by the rules table."""
     shardings = tree_shardings(specs, mesh, fit=True)  # any mesh: axes that do not divide a dim are left out
 
     def target(spec, sharding):
@@ -44,9 +43,8 @@ def _is_int8(node: Any) -> bool:
 def _quantized(params: dict, model: ml_collections.ConfigDict, mesh: Mesh, dtype: Any) -> dict:
     """`params` with each dense projection in int8 (see `model/int8.py`; one already in int8 is kept)
     and the rest cast to `dtype`, placed on `mesh` by the rules table."""
-    int8_model = model.copy_and_resolve_references()
-    int8_model.quantize = "int8"
-    target = _target(int8_model, mesh, dtype)
+    specs = param_specs(int8_model(model))
+    target = _target(specs, mesh, dtype)
 
     def convert(spec, want, w):
         if not _is_int8(spec):
@@ -54,7 +52,7 @@ def _quantized(params: dict, model: ml_collections.ConfigDict, mesh: Mesh, dtype
         contracted = [i for i, axis in enumerate(spec["q"].axes) if axis not in spec["scale"].axes]
         return w if isinstance(w, dict) else quantize_weight(w, contracted)
 
-    specs, shardings = param_specs(int8_model), jax.tree.map(lambda t: t.sharding, target)
+    shardings = jax.tree.map(lambda t: t.sharding, target)
     quantize = jax.jit(lambda p: jax.tree.map(convert, specs, target, p, is_leaf=_is_int8), out_shardings=shardings)
     return quantize(params)
 
@@ -116,13 +114,13 @@ def _read_params(
 ) -> tuple[ml_collections.ConfigDict, dict, int]:
     if _is_export(path):
         cfg = stored_config(path)
-        target = _target(cfg.model, mesh, dtype or cfg.model.param_dtype)
+        target = _target(param_specs(cfg.model), mesh, dtype or cfg.model.param_dtype)
         return cfg, ocp.StandardCheckpointer().restore(path / "params", target), cfg.get("export_step", -1)
     steps = _steps(path, step)
     for step in steps:
         try:
             cfg = saved_config(path, step)
-            target = {"params": _target(cfg.model, mesh, dtype or cfg.model.param_dtype)}
+            target = {"params": _target(param_specs(cfg.model), mesh, dtype or cfg.model.param_dtype)}
             restore = ocp.args.PyTreeRestore(
                 item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
             )

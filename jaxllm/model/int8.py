@@ -14,11 +14,19 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 from flax import nnx
 
 from jaxllm.model.params import declare
 
 INT8_MAX = 127
+
+
+def int8_model(model: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A copy of the model settings with int8 projection weights."""
+    model = model.copy_and_resolve_references()
+    model.quantize = "int8"
+    return model
 
 
 class Int8Weight(nnx.Module):
