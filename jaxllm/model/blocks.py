@@ -25,6 +25,8 @@ from jaxllm.model.params import declare, params_of, value_axes
 from jaxllm.parallel.rules import constrain
 from jaxllm.parallel.tensor_parallel import RESIDUAL, tensor_parallel
 
+ROPE_AXES = ("batch", "seq", None, None)  # a cos or sin table
+
 Stack = tuple[tuple[int, ...], tuple[str, ...]]  # leading (sizes, logical axis names)
 UNSTACKED: Stack = ((), ())
 
@@ -73,7 +75,8 @@ class Attention(nnx.Module):
             )  # fmt: skip
             return attend(x, params_of(self), params_of(o_proj), ctx.rope, *cached, ctx.positions)
         attention = partial(layers.attention, implementation=self.implementation, project=project)
-        attend = tensor_parallel(attention, value_axes(self), value_axes(o_proj), (), ())
+        segments = () if ctx.segment_ids is None else ("batch", "seq")
+        attend = tensor_parallel(attention, value_axes(self), value_axes(o_proj), (ROPE_AXES,) * 2, segments)
         return attend(x, params_of(self), params_of(o_proj), ctx.rope, ctx.segment_ids)
 
 

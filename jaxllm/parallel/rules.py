@@ -79,8 +79,8 @@ OPTIMIZER_RULES: dict[str, MeshAxes] = {**RULES, "embed": ("fsdp", "data")}
 
 
 def is_axes(x) -> bool:
-    """A leaf of a tree of logical axis names: one array's names, as a tuple."""
-    return isinstance(x, tuple)
+    """A leaf of a tree of logical axis names: one array's names, as a tuple of names and Nones."""
+    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
 
 
 def as_tuple(axes: MeshAxes) -> tuple[str, ...]:

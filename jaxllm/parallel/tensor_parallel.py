@@ -10,9 +10,10 @@ from typing import Any
 import jax
 
 from jaxllm.parallel.collectives import all_gather, all_reduce_sum, reduce_scatter_sum, to_varying
-from jaxllm.parallel.rules import active_rules, is_axes, manual_spec, sequence_parallel
+from jaxllm.parallel.rules import active_rules, as_tuple, is_axes, manual_spec, sequence_parallel
 
 RESIDUAL = ("batch", "act_seq", "act_embed")  # logical axes of a block's input and output
+TENSOR = frozenset({"tensor"})
 
 
 def tensor_parallel(fn: Callable, *arg_axes: Any, kept_axes: tuple = ()) -> Callable:
@@ -44,8 +45,17 @@ def tensor_parallel(fn: Callable, *arg_axes: Any, kept_axes: tuple = ()) -> Call
         return summed
     if mesh.shape.get("tensor", 1) == 1:
         return fn
-    residual = manual_spec(*RESIDUAL, rules=active_rules())
-    in_specs = (residual, *(jax.tree.map(lambda axes: manual_spec(*axes), a, is_leaf=is_axes) for a in arg_axes))
-    kept = tuple(manual_spec(*axes) for axes in kept_axes)
-    out_specs = (residual, *kept) if kept_axes else residual
-    return jax.shard_map(summed, in_specs=in_specs, out_specs=out_specs, axis_names={"tensor"})
+    # With sequence parallelism the region is manual over the batch's mesh axes too: before a
+    # collective over `tensor` in a region where the batch is still automatic, XLA gathers the
+    # whole batch onto every device.
+    rules = active_rules()
+    by_hand = TENSOR | frozenset(as_tuple(rules["batch"])) if split else TENSOR
+
+    def spec(axes):
+        """Arrays that carry the batch split by hand over `by_hand`; weights over `tensor` only
+        (the compiler gathers their FSDP shards at the boundary, as for any weight)."""
+        return manual_spec(*axes, manual_axes=by_hand if "batch" in axes else TENSOR, rules=rules)
+
+    in_specs = (spec(RESIDUAL), *(jax.tree.map(spec, a, is_leaf=is_axes) for a in arg_axes))
+    out_specs = (spec(RESIDUAL), *map(spec, kept_axes)) if kept_axes else spec(RESIDUAL)
+    return jax.shard_map(summed, in_specs=in_specs, out_specs=out_specs, axis_names=by_hand)
