@@ -12,7 +12,6 @@ import sys
 import threading
 from functools import partial
 
-import hlo
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +23,7 @@ from jaxllm.data.corpus import read_documents, resolve_inputs
 from jaxllm.data.tokenizer import get_tokenizer, save_tokenizer, train_bpe
 from jaxllm.model.decoder import forward
 from jaxllm.parallel.mesh import make_mesh
+from jaxllm.plan import hlo
 from jaxllm.serve.api import Server, create_app
 from jaxllm.serve.chat import ChatTemplate
 from jaxllm.serve.engine import Request, RequestError, Unavailable

@@ -51,7 +51,7 @@ def test_planned_memory_follows_the_compiler(layout):
 
 def test_120b_fits_an_80gb_gpu_with_headroom_in_its_dry_run():
     """The whole 120B step on 64 fake devices: peak ≤ 67 GiB (80 GB less 10 %), and the planner's
-    table beside the compiler's figures, within 10 % of them."""
+    memory and collectives beside the compiler's figures, within 10 % of them."""
     cmd = [sys.executable, "-m", "jaxllm.train", "--config", "configs/120b.py", "--dry-run"]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -75,6 +75,10 @@ def test_120b_fits_an_80gb_gpu_with_headroom_in_its_dry_run():
     assert 0.9 < (cpu_peak - peak) / (gathered * 4 / 6) < 1.1, out
     for component in ("params", "optimizer state", "fp32 gradients", "gathered weights", "activations (remat group)"):
         assert re.search(rf"  {re.escape(component)}.*\d GiB", out), component
+    # The planner's collectives against the compiled program's, loops counted (as XLA:CPU runs them).
+    ratios = dict(re.findall(r"^  (reduce|gather|permute) .*planned / compiled = ([\d.]+)$", out, re.M))
+    assert set(ratios) == {"reduce", "gather", "permute"}, out[-2000:]
+    assert all(0.9 <= float(r) <= 1.1 for r in ratios.values()), ratios
 
 
 @pytest.mark.parametrize("path", ["configs/1b.py", "configs/8b.py"])

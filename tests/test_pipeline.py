@@ -5,7 +5,6 @@ import re
 from collections import Counter
 
 import chex
-import hlo
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +17,7 @@ from jaxllm.model import param_specs
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.rules import activation_rules, rules_for
 from jaxllm.parallel.schedule import canonical_view, schedule_of
+from jaxllm.plan import hlo
 from jaxllm.train.run import batch_sharding, build_run
 from jaxllm.train.step import compile_eval_step, compile_train_step, init_state, mean_loss
 

@@ -70,7 +70,7 @@ class Attention(nnx.Module):
             new = ("batch", None, "kv_heads", "head_dim")
             attend = tensor_parallel(
                 partial(layers.cached_attention, project=project),
-                value_axes(self), value_axes(o_proj), (), LAYER_AXES, LAYER_AXES, (),
+                value_axes(self), value_axes(o_proj), (ROPE_AXES,) * 2, LAYER_AXES, LAYER_AXES, ("batch", None),
                 kept_axes=(new, new),
             )  # fmt: skip
             return attend(x, params_of(self), params_of(o_proj), ctx.rope, *cached, ctx.positions)

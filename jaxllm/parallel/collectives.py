@@ -49,6 +49,13 @@ def whole_tensor_max(local: jax.Array, part: jax.Array) -> jax.Array:
     return jax.lax.pmax(local, axes) if axes else local
 
 
+def varying_over(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """`x` marked per-device along each of the manual `axes` it does not vary over yet; the
+    backward pass sums its cotangent over them here, in x's dtype."""
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def to_varying(x: jax.Array, axis: str) -> jax.Array:
     """Marks a replicated value as per-device along `axis`; the backward pass all-reduces its
     cotangent once here, instead of once per use."""

@@ -4,12 +4,13 @@ logical axes; this module alone knows they map to the `tensor` mesh axis."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from jaxllm.parallel.collectives import all_gather, all_reduce_sum, reduce_scatter_sum, to_varying
+from jaxllm.parallel.collectives import all_gather, all_reduce_sum, reduce_scatter_sum, to_varying, varying_over
 from jaxllm.parallel.rules import active_rules, as_tuple, is_axes, manual_spec, sequence_parallel
 
 RESIDUAL = ("batch", "act_seq", "act_embed")  # logical axes of a block's input and output
@@ -45,17 +46,34 @@ def tensor_parallel(fn: Callable, *arg_axes: Any, kept_axes: tuple = ()) -> Call
         return summed
     if mesh.shape.get("tensor", 1) == 1:
         return fn
-    # With sequence parallelism the region is manual over the batch's mesh axes too: before a
-    # collective over `tensor` in a region where the batch is still automatic, XLA gathers the
-    # whole batch onto every device.
+    # The region is manual over the batch's mesh axes too (where they split the rows evenly):
+    # before a sequence-parallel collective over `tensor` in a region where the batch is still
+    # automatic, XLA gathers the whole batch onto every device; and the weights' gradients leave
+    # it summed over all data-parallel devices at once.
     rules = active_rules()
-    by_hand = TENSOR | frozenset(as_tuple(rules["batch"])) if split else TENSOR
 
-    def spec(axes):
-        """Arrays that carry the batch split by hand over `by_hand`; weights over `tensor` only
-        (the compiler gathers their FSDP shards at the boundary, as for any weight)."""
-        return manual_spec(*axes, manual_axes=by_hand if "batch" in axes else TENSOR, rules=rules)
+    def call(x, *args):
+        batch = tuple(a for a in as_tuple(rules["batch"]) if mesh.shape[a] > 1)
+        batch = batch if x.shape[0] % math.prod(mesh.shape[a] for a in batch) == 0 else ()
+        by_hand = TENSOR | frozenset(batch)
 
-    in_specs = (spec(RESIDUAL), *(jax.tree.map(spec, a, is_leaf=is_axes) for a in arg_axes))
-    out_specs = (spec(RESIDUAL), *map(spec, kept_axes)) if kept_axes else spec(RESIDUAL)
-    return jax.shard_map(summed, in_specs=in_specs, out_specs=out_specs, axis_names=by_hand)
+        def spec(axes):
+            """Arrays that carry the batch split by hand over `by_hand`; weights over `tensor` only
+            (the compiler gathers their FSDP shards at the boundary, as for any weight)."""
+            return manual_spec(*axes, manual_axes=by_hand if "batch" in axes else TENSOR, rules=rules)
+
+        def region(x, *args):
+            """Weights turn per-device over the batch axes as they enter, in their stored dtype:
+            their gradients are summed over those axes here, in fp32, not after a cast to bf16."""
+
+            def enter(axes, a):
+                return a if "batch" in axes else jax.tree.map(lambda w: varying_over(w, batch), a)
+
+            args = (jax.tree.map(enter, axes, a, is_leaf=is_axes) for axes, a in zip(arg_axes, args, strict=True))
+            return summed(x, *args)
+
+        in_specs = (spec(RESIDUAL), *(jax.tree.map(spec, a, is_leaf=is_axes) for a in arg_axes))
+        out_specs = (spec(RESIDUAL), *map(spec, kept_axes)) if kept_axes else spec(RESIDUAL)
+        return jax.shard_map(region, in_specs=in_specs, out_specs=out_specs, axis_names=by_hand)(x, *args)
+
+    return call

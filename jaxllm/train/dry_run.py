@@ -24,6 +24,8 @@ import ml_collections
 from jaxllm import plan
 from jaxllm.config import MESH_AXES, ConfigError, validate
 from jaxllm.parallel.mesh import describe, make_mesh
+from jaxllm.plan.comm import by_kind, communication
+from jaxllm.plan.hlo import collective_bytes
 from jaxllm.train.run import build_run
 from jaxllm.train.step import compile_train_step, init_state
 
@@ -31,9 +33,9 @@ DEVICES_ENV = "JAXLLM_DRY_RUN_DEVICES"
 AS_ON_GPU = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}  # see the module's doc
 
 
-def ensure_fake_devices(cfg: ml_collections.ConfigDict) -> None:
-    """Re-executes this command on as many fake CPU devices as the mesh has, unless it already
-    runs on them. Must run before JAX initialises a backend."""
+def ensure_fake_devices(cfg: ml_collections.ConfigDict, module: str = "jaxllm.train") -> None:
+    """Re-executes this command (`python -m module ...`) on as many fake CPU devices as the mesh
+    has, unless it already runs on them. Must run before JAX initialises a backend."""
     sizes = [cfg.parallel[a] for a in MESH_AXES]
     if -1 in sizes:
         raise ConfigError(f"--dry-run needs explicit mesh sizes, got {dict(zip(MESH_AXES, sizes, strict=True))}")
@@ -42,7 +44,7 @@ def ensure_fake_devices(cfg: ml_collections.ConfigDict) -> None:
         return
     flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
     env = {**os.environ, DEVICES_ENV: devices, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
-    os.execve(sys.executable, [sys.executable, "-m", "jaxllm.train", *sys.argv[1:]], env)
+    os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], env)
 
 
 def _gib(n: float) -> str:
@@ -72,10 +74,19 @@ def peak_bytes(mem) -> int:
 
 
 def dry_run(cfg: ml_collections.ConfigDict) -> None:
+    """`python -m jaxllm.train --dry-run`: the mesh, the planner's summary, the compiler's figures."""
+    validate(cfg, jax.device_count())
+    print(describe(make_mesh(cfg.parallel)))
+    print(plan.summary(cfg), flush=True)
+    compare_with_compiler(cfg)
+
+
+def compare_with_compiler(cfg: ml_collections.ConfigDict) -> dict:
+    """Compiles the train step for the configured mesh (the devices must be there: see
+    `ensure_fake_devices`) and prints its memory and collectives beside the planner's; returns
+    {'peak', 'planned', 'collectives', 'planned collectives'} (bytes per device)."""
     validate(cfg, jax.device_count())
     mesh = make_mesh(cfg.parallel)
-    print(describe(mesh))
-    print(plan.summary(cfg), flush=True)
     if cfg.model.attention != "xla":
         print(f"model.attention={cfg.model.attention!r} runs on GPUs only: compiling 'xla' attention in its place")
         cfg = cfg.copy_and_resolve_references()
@@ -105,3 +116,12 @@ def dry_run(cfg: ml_collections.ConfigDict) -> None:
         f"FLOPs per device: compiler {flops:.3e} (each loop body counted once, per iteration), "
         f"model {analytic:.3e} per step (analytic)"
     )
+    planned_collectives = by_kind(communication(cfg, backend=jax.default_backend()))
+    collectives = collective_bytes(compiled.as_text())
+    print("collectives per device per step, GB (the compiled program's, loops counted; the planner's):")
+    for kind in sorted(set(collectives) | set(planned_collectives)):
+        got, want = collectives.get(kind, 0.0), planned_collectives.get(kind, 0.0)
+        ratio = want / got if got else float("nan")
+        print(f"  {kind:<12}{got / 1e9:12.4f}{want / 1e9:12.4f}   planned / compiled = {ratio:.2f}")
+    return {"peak": peak, "planned": planned["total"], "collectives": collectives,
+            "planned collectives": planned_collectives}  # fmt: skip

@@ -10,8 +10,10 @@ import jax
 import jax.numpy as jnp
 from tensorboardX import SummaryWriter
 
-# Dense bf16 peak per device (FLOP/s), matched against `device_kind`.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+from jaxllm.plan.hardware import ACCELERATORS
+
+# Dense bf16 peak per device (FLOP/s), matched against `device_kind`: the planner's table.
+PEAK_FLOPS = {a.kind: a.bf16_flops for a in ACCELERATORS.values()}
 
 
 class MetricsWriter:
@@ -84,7 +86,7 @@ def peak_flops(devices: list) -> tuple[float, str]:
             return peak * len(devices), f"{name} bf16 table × {len(devices)}"
     if devices[0].platform == "cpu":
         return measure_matmul_peak(), "CPU fp32 matmul peak measured at start-up"
-    return float("nan"), f"unknown for {kind!r}, so MFU is NaN; add it to PEAK_FLOPS in jaxllm/train/metrics.py"
+    return float("nan"), f"unknown for {kind!r}, so MFU is NaN; add it to ACCELERATORS in jaxllm/plan/hardware.py"
 
 
 def memory_in_use() -> float | None:

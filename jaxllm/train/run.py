@@ -34,6 +34,9 @@ class Run:
     schedule: Schedule | None
     optimizer: optax.GradientTransformation
     shardings: State  # of the train state, in the run's own (pipeline) view
+    # Of gradients summed over microsteps: as the optimizer moments lie (with ZeRO-1, split over
+    # `data` too: each microstep's gradients are reduce-scattered into them, never all-reduced).
+    grad_shardings: dict
     batch_sharding: NamedSharding
     # The state as checkpoints hold it: canonical group order, each array split over the same
     # devices as in training (a pipeline's groups over `stage`), so a restore needs no more memory.
@@ -65,6 +68,7 @@ def build_run(cfg: ml_collections.ConfigDict, mesh: Mesh) -> Run:
         schedule=schedule,
         optimizer=optimizer,
         shardings=jax.tree.map(lambda s: s.sharding, own),
+        grad_shardings=_moment_shardings(param_specs(cfg.model, schedule), mesh, p.zero1, RULES),
         batch_sharding=batch_sharding(mesh),
         canonical=canonical,
     )
@@ -83,13 +87,18 @@ def on_device(shardings: State) -> State:
     return jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
 
 
+def _moment_shardings(specs, mesh: Mesh, zero1: bool, rules: dict) -> dict:
+    """Where optimizer moments live: beside their params and, with ZeRO-1, also split over `data`
+    where the dim allows."""
+    return tree_shardings(specs, mesh, {**rules, "embed": OPTIMIZER_RULES["embed"]} if zero1 else rules, fit=True)
+
+
 def _abstract_state(specs, optimizer, mesh: Mesh, zero1: bool, offload: bool, rules: dict, dtype) -> State:
     """Shapes, dtypes and shardings of the train state. Params follow `rules`; optimizer moments
-    follow their params and, with ZeRO-1, are also split over `data` where the dim allows. With
+    follow `_moment_shardings`. With
     `offload`, the optimizer state lives in pinned host memory between steps."""
     params = tree_shardings(specs, mesh, rules)
-    moment_rules = {**rules, "embed": OPTIMIZER_RULES["embed"]} if zero1 else rules
-    moments = tree_shardings(specs, mesh, moment_rules, fit=True)
+    moments = _moment_shardings(specs, mesh, zero1, rules)
     shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), specs, is_leaf=is_spec)
     params_def = jax.tree.structure(params)
     replicated = NamedSharding(mesh, PartitionSpec())

@@ -75,10 +75,10 @@ def _train_step(state: State, batch: Batch, run: Run) -> tuple[State, dict]:
     def accumulate(carry, micro):
         total, count, grads = carry
         (loss, n), g = grad_fn(params, micro, model, run.schedule, copies)
-        grads = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grads, g), run.shardings["params"])
+        grads = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grads, g), run.grad_shardings)
         return (total + loss, count + n, grads), None
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
+    zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), run.grad_shardings)
     (total, count, grads), _ = jax.lax.scan(
         accumulate, (jnp.zeros(()), jnp.zeros(()), zeros), jax.tree.map(partial(split_microbatches, m=accum), batch)
     )

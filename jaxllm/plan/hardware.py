@@ -1,0 +1,33 @@
+"""The accelerators the planner estimates for: memory, dense peak FLOP/s and link bandwidths, from
+the vendors' datasheets (dense, no sparsity; bandwidths one way, per GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    kind: str  # matched against jax's `device_kind`
+    memory: float  # bytes of device memory
+    bf16_flops: float
+    fp8_flops: float
+    nvlink: float  # bytes/s one way, GPU to GPU inside a node
+    network: float  # bytes/s one way, this GPU's share of the inter-node fabric (InfiniBand)
+    per_node: int = 8
+
+
+ACCELERATORS = {
+    # A100 SXM 80GB: 312 TFLOP/s bf16, no FP8; NVLink 3 600 GB/s both ways; one HDR 200 Gb/s NIC per GPU.
+    "a100-80gb": Accelerator("A100", 80 * GiB, 312e12, 312e12, nvlink=300e9, network=25e9),
+    # H100 SXM 80GB: 989 / 1979 TFLOP/s bf16 / fp8; NVLink 4 900 GB/s both ways; one NDR 400 Gb/s NIC per GPU.
+    "h100-80gb": Accelerator("H100", 79.6 * GiB, 989e12, 1979e12, nvlink=450e9, network=50e9),
+    # H200 SXM 141GB: the H100's compute and links with more memory.
+    "h200": Accelerator("H200", 140.4 * GiB, 989e12, 1979e12, nvlink=450e9, network=50e9),
+}
+
+# What the estimate assumes of a step (printed with every estimate).
+MATMUL_EFFICIENCY = 0.75  # the fraction of peak large bf16/fp8 GEMMs reach
+LINK_EFFICIENCY = 0.8  # the fraction of link bandwidth NCCL's ring collectives reach

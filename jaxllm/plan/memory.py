@@ -1,0 +1,159 @@
+"""Bytes per device: a training step's by component under the configured layout, one layer's
+activations by remat policy (Korthikanti et al. 2022's formula beside them), and a serving KV cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from jaxllm.config import MESH_AXES, sizes
+from jaxllm.model.decoder import param_specs
+from jaxllm.model.params import is_norm, is_spec
+from jaxllm.parallel.rules import GATHERED_RULES, OPTIMIZER_RULES, RULES, as_tuple, logical_spec
+from jaxllm.parallel.schedule import Schedule, schedule_of
+
+
+def specs_of(model: ml_collections.ConfigDict, schedule: Schedule | None = None) -> dict:
+    """`param_specs`, remembered: a layout search asks for the same model's many times."""
+    return _specs(model.to_json(), schedule)
+
+
+@functools.lru_cache(maxsize=64)
+def _specs(model_json: str, schedule: Schedule | None) -> dict:
+    return param_specs(ml_collections.ConfigDict(json.loads(model_json)), schedule)
+
+
+def _itemsize(dtype, norms_in_fp32: bool = False) -> Callable[[tuple], int]:
+    """A leaf's bytes per element by its path (the pipeline keeps norm scales in fp32)."""
+    size = jnp.dtype(dtype).itemsize
+    return lambda path: 4 if norms_in_fp32 and is_norm(path) else size
+
+
+def _per_device_bytes(specs, rules, mesh: jax.sharding.AbstractMesh, itemsize, *, fit: bool = False) -> int:
+    """Bytes one device holds of `specs` laid out by `rules` (see `logical_spec` for `fit`)."""
+
+    def one(path, spec):
+        pspec = tuple(logical_spec(spec.axes, rules, spec.shape if fit else None, mesh if fit else None))
+        entries = pspec + (None,) * (len(spec.shape) - len(pspec))
+        splits = [math.prod(mesh.shape[a] for a in as_tuple(e)) for e in entries]
+        return math.prod(-(-d // n) for d, n in zip(spec.shape, splits, strict=True)) * itemsize(path)
+
+    return sum(jax.tree.leaves(jax.tree_util.tree_map_with_path(one, specs, is_leaf=is_spec)))
+
+
+def _stash_per_token(model: ml_collections.ConfigDict, seq: int, tensor: int, sp: bool) -> tuple[dict, float]:
+    """Bytes per token on one device of one layer's activations: (what each remat policy keeps
+    for the backward pass, all of them). The tensors are those the layer tags for its policies
+    (`decoder.SAVED_NAMES`, the dots' outputs); `tests/test_memory_plan.py` checks what keeping
+    them costs against the compiler's memory analysis."""
+    s, a = sizes(model), jnp.dtype(model.dtype).itemsize
+    residual = model.hidden * a / (tensor if sp else 1)  # the residual stream between blocks
+    block = model.hidden * a  # a block's gathered input, and its partial output before the sum
+    q, kv = model.num_heads // tensor * s.head_dim * a, s.kv_heads // tensor * s.head_dim * a
+    mlp = model.mlp // tensor * a
+    scores = model.num_heads // tensor * seq * (4 + a) if model.attention == "xla" else 0  # fp32 and probs
+    dots = (q + 2 * kv) + scores + q + block + (s.ffn_matrices - 1) * mlp + block
+    everything = dots + 2 * block + mlp + 2 * residual  # + norm outputs, GLU product, residual sums
+    kept = {
+        "none": everything,
+        "full": residual,
+        "group": residual / model.qkv_share_every,
+        "selective": residual + (q + 2 * kv) + q + mlp + residual,  # decoder.SAVED_NAMES
+        "dots": dots,
+        "offload": 0.0,  # kept in host memory
+    }
+    return kept, everything
+
+
+def memory(cfg: ml_collections.ConfigDict) -> dict[str, float]:
+    """Per-device bytes of a training step by component, from the config alone (mesh sizes of -1
+    count as 1). What the planner predicts and `--dry-run` prints beside the compiler's figures.
+    An offloaded optimizer state is counted apart from the device total."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    mesh_sizes = {a: max(p[a], 1) for a in MESH_AXES}
+    mesh = jax.sharding.AbstractMesh(tuple(mesh_sizes.values()), MESH_AXES)
+    schedule = schedule_of(cfg)
+    specs = specs_of(m, schedule)
+    fp32, param = _itemsize(jnp.float32), _itemsize(m.param_dtype)
+    compute = _itemsize(m.dtype, norms_in_fp32=True)
+    moment_rules = OPTIMIZER_RULES if p.zero1 else RULES
+    moments = 2 * _per_device_bytes(specs, moment_rules, mesh, fp32, fit=True)
+    out = {
+        "params": _per_device_bytes(specs, RULES, mesh, param),
+        "optimizer state (Adam m, v)": 0.0 if p.offload_optimizer else moments,
+        # a microstep's, and with accumulation their sum, which lies as the moments do
+        "fp32 gradients": _per_device_bytes(specs, RULES, mesh, fp32) + (moments / 2 if t.grad_accum_steps > 1 else 0),
+    }
+    groups = specs["groups"]
+    if schedule is None:  # FSDP gathers one group at a time; its gradient is summed before the scatter
+        one_group = jax.tree.map(
+            lambda s: dataclasses.replace(s, shape=s.shape[1:], axes=s.axes[1:]), groups, is_leaf=is_spec
+        )
+        gathered = _per_device_bytes(one_group, GATHERED_RULES, mesh, compute)
+        gathered += _per_device_bytes(one_group, GATHERED_RULES, mesh, fp32)
+    else:  # the stage's weights for the whole step, and their fp32 gradient sums (see pipeline.py)
+        gathered = _per_device_bytes(groups, GATHERED_RULES, mesh, compute)
+        gathered += _per_device_bytes(groups, GATHERED_RULES, mesh, fp32)
+    out["gathered weights + their fp32 gradient"] = gathered
+    data, tensor, stage = mesh_sizes["data"] * mesh_sizes["fsdp"], mesh_sizes["tensor"], mesh_sizes["stage"]
+    rows = t.batch_size // data // t.grad_accum_steps  # sequences per device per microstep
+    kept, whole_layer = _stash_per_token(m, t.seq_len, tensor, p.sequence_parallel)
+    stash = kept[m.remat]
+    # The backward pass rebuilds a shared-QKV group's layers together (one iteration of the scan
+    # over groups), each with its gradient: the largest transient besides the logits.
+    rebuilt = 2 * m.qkv_share_every * whole_layer
+    residual = m.hidden * jnp.dtype(m.dtype).itemsize / (tensor if p.sequence_parallel else 1)
+    if schedule is None:
+        tokens = rows * t.seq_len
+        out[f"activations (remat {m.remat})"] = m.num_layers * tokens * stash
+    else:  # each iteration's input and output are kept; one iteration's stage is rebuilt at a time
+        tokens = rows // schedule.microbatches * t.seq_len
+        stage_layers = m.num_layers // (stage * schedule.repeats)
+        edges = 2 * schedule.iterations * tokens * residual
+        out[f"activations (remat {m.remat})"] = edges + stage_layers * tokens * stash
+    head_tokens = rows * t.seq_len // (stage if schedule else 1)
+    logits = head_tokens * sizes(m).padded_vocab // tensor * 4 * 2  # fp32 logits and their gradient
+    out["temporaries (a group rebuilt; logits)"] = max(tokens * rebuilt, logits)
+    out["total"] = sum(out.values())
+    if p.offload_optimizer:
+        out["optimizer state in host memory"] = moments
+    return out
+
+
+def memory_table(planned: dict[str, float]) -> list[str]:
+    unit, scale = ("GiB", 2**30) if planned["total"] >= 2**30 else ("MiB", 2**20)
+    return [f"  {name:<42}{n / scale:10.2f} {unit}" for name, n in planned.items()]
+
+
+KV_BYTES = {"bf16": 2, "fp8": 1, "int8": 1}
+KV_SCALE_BYTES = {"int8": 4}  # one fp32 scale per token, head and K or V (see model/cache.py)
+
+
+def kv_cache_bytes(model: ml_collections.ConfigDict, batch: int, context: int, dtype: str, tensor: int = 1) -> float:
+    """Bytes per device of a KV cache for `batch` sequences of `context` tokens: one key and one
+    value per layer, token and kv head (split over `tensor`), plus int8's scales."""
+    s = sizes(model)
+    per_head = s.head_dim * KV_BYTES[dtype] + KV_SCALE_BYTES.get(dtype, 0)
+    return 2 * model.num_layers * batch * context * s.kv_heads / tensor * per_head
+
+
+def korthikanti_layer_bytes(model: ml_collections.ConfigDict, seq: int, batch: int) -> float:
+    """Korthikanti et al. 2022's activations of one layer, no parallelism or recompute, 16-bit:
+    s·b·h·(34 + 5·a·s/h) bytes (GELU MLP 4h, dropout masks, attention scores stored)."""
+    h = model.hidden
+    return seq * batch * h * (34 + 5 * model.num_heads * seq / h)
+
+
+def layer_activation_bytes(
+    model: ml_collections.ConfigDict, seq: int, batch: int, tensor: int = 1, sequence_parallel: bool = False
+) -> dict[str, float]:
+    """One layer's activations kept for the backward pass, per device, by remat policy."""
+    kept, _ = _stash_per_token(model, seq, tensor, sequence_parallel)
+    return {policy: n * seq * batch for policy, n in kept.items()}

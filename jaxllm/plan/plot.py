@@ -1,0 +1,65 @@
+"""`--plot out.png`: memory per device by component, and the pipeline schedule (stage × iteration,
+bubbles shaded). Needs matplotlib (the `plot` extra)."""
+
+from __future__ import annotations
+
+import ml_collections
+import numpy as np
+
+from jaxllm.parallel.schedule import Schedule, schedule_of
+from jaxllm.plan.hardware import ACCELERATORS, GiB
+from jaxllm.plan.memory import memory
+from jaxllm.plan.search import HEADROOM
+
+BUBBLE = -1
+
+
+def schedule_grid(schedule: Schedule) -> np.ndarray:
+    """[stages, iterations]: the microbatch each stage works on in each iteration (as the pipeline
+    runs them: iteration k of stage s takes microbatch (k − s) mod M of repeat (k − s) // M), or
+    BUBBLE where it has none."""
+    k = np.arange(schedule.iterations)[None, :] - np.arange(schedule.stages)[:, None]
+    busy = (k >= 0) & (k < schedule.repeats * schedule.microbatches)
+    return np.where(busy, k % schedule.microbatches, BUBBLE)
+
+
+def plot(cfg: ml_collections.ConfigDict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit("--plot needs matplotlib: pip install -e '.[plot]'") from e
+    fig, (mem_ax, pipe_ax) = plt.subplots(1, 2, figsize=(15, 6), gridspec_kw={"width_ratios": [1, 3]})
+    planned = {k: v for k, v in memory(cfg).items() if k != "total" and "host" not in k}
+    bottom = 0.0
+    for name, n in planned.items():
+        mem_ax.bar(0, n / GiB, bottom=bottom, label=name)
+        bottom += n / GiB
+    budgets = {}  # GiB after headroom → the devices with about that much memory
+    for name, accelerator in ACCELERATORS.items():
+        budgets.setdefault(round(accelerator.memory * (1 - HEADROOM) / GiB), []).append(name)
+    for budget, names in budgets.items():
+        mem_ax.axhline(budget, linestyle="--", linewidth=1, color="gray")
+        mem_ax.annotate(f"{', '.join(names)} less {HEADROOM:.0%}", (-0.38, budget), fontsize=7, va="bottom")
+    mem_ax.set(xticks=[], ylabel="GiB per device", title="memory per device, by component")
+    mem_ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.02))
+    if (schedule := schedule_of(cfg)) is None:
+        pipe_ax.text(0.5, 0.5, "no pipeline (parallel.stage = 1)", ha="center", va="center")
+        pipe_ax.set_axis_off()
+    else:
+        grid = schedule_grid(schedule)
+        shown = np.ma.masked_equal(grid, BUBBLE)
+        pipe_ax.imshow(np.ones_like(grid), cmap="Greys", vmin=0, vmax=4, aspect="auto")  # bubbles: grey
+        pipe_ax.imshow(shown, cmap="viridis", aspect="auto", interpolation="nearest")
+        pipe_ax.set(
+            xlabel="iteration",
+            ylabel="stage",
+            yticks=range(schedule.stages),
+            title=f"pipeline: {schedule.stages} stages × {schedule.repeats} repeats, "
+            f"{schedule.microbatches} microbatches; bubble (grey) {schedule.bubble:.1%}",
+        )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,92 @@
+"""`--search`: every layout of a model on N GPUs (tensor × stage × fsdp × data × remat ×
+microbatches × repeats × sequence parallelism) that passes the config's checks and fits the
+device's memory with headroom, best estimated step time first."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator
+
+import ml_collections
+
+from jaxllm.config import ConfigError, sizes, validate
+from jaxllm.plan.estimate import Estimate, estimate
+from jaxllm.plan.hardware import Accelerator
+from jaxllm.plan.memory import memory
+
+REMATS = ("none", "selective", "full", "group")  # `dots` keeps about what `selective` does; `offload` needs host memory
+HEADROOM = 0.1  # of device memory left for the allocator's fragmentation, NCCL buffers, the framework
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    tensor: int
+    stage: int
+    fsdp: int
+    data: int
+    remat: str
+    microbatches: int
+    repeats: int
+    sequence_parallel: bool
+
+    def apply(self, cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+        out = cfg.copy_and_resolve_references()
+        out.model.remat = self.remat
+        out.parallel.update({k: v for k, v in dataclasses.asdict(self).items() if k != "remat"})
+        return out
+
+    def overrides(self) -> str:
+        """The command-line overrides that run this layout."""
+        fields = dataclasses.asdict(self)
+        return " ".join(f"--config.{'model' if k == 'remat' else 'parallel'}.{k}={v}" for k, v in fields.items())
+
+    @classmethod
+    def of(cls, cfg: ml_collections.ConfigDict) -> Layout:
+        p = cfg.parallel
+        return cls(p.tensor, p.stage, p.fsdp, p.data, cfg.model.remat, p.microbatches, p.repeats, p.sequence_parallel)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    memory: float  # bytes per device
+    estimate: Estimate
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(cfg: ml_collections.ConfigDict, gpus: int, per_node: int) -> Iterator[Layout]:
+    """Every layout worth trying: tensor parallelism inside a node, pipeline stages on group
+    boundaries, microbatches a power-of-two multiple of the stages."""
+    groups, rows = sizes(cfg.model).groups, cfg.train.batch_size // cfg.train.grad_accum_steps
+    for tensor in (t for t in _divisors(min(gpus, per_node)) if gpus % t == 0):
+        for stage in (s for s in _divisors(groups) if (gpus // tensor) % s == 0):
+            for fsdp in _divisors(gpus // (tensor * stage)):
+                data = gpus // (tensor * stage * fsdp)
+                per_replica = rows // (data * fsdp) if rows % (data * fsdp) == 0 else 0
+                micro = [1] if stage == 1 else [stage * 2**k for k in range(8) if stage * 2**k <= per_replica]
+                repeats = [1] if stage == 1 else [r for r in _divisors(groups // stage) if r <= 4]
+                sequence_parallel = (False, True) if tensor > 1 else (False,)
+                for remat, m, r, sp in itertools.product(REMATS, micro, repeats, sequence_parallel):
+                    yield Layout(tensor, stage, fsdp, data, remat, m, r, sp)
+
+
+def search(
+    cfg: ml_collections.ConfigDict, gpus: int, accelerator: Accelerator, headroom: float = HEADROOM
+) -> tuple[list[Candidate], int]:
+    """(the layouts that pass the checks and fit, fastest first; how many passed the checks)."""
+    fitting, valid = [], 0
+    for layout in layouts(cfg, gpus, accelerator.per_node):
+        candidate = layout.apply(cfg)
+        try:
+            validate(candidate, gpus)
+        except ConfigError:
+            continue
+        valid += 1
+        total = memory(candidate)["total"]
+        if total <= accelerator.memory * (1 - headroom):
+            fitting.append(Candidate(layout, total, estimate(candidate, accelerator)))
+    return sorted(fitting, key=lambda c: c.estimate.step), valid

@@ -1,0 +1,165 @@
+"""The planner against independent references: Megatron-LM's published parameter counts, the
+compiled step's collectives (counted with loop trip counts), the compiler's memory, the real KV
+cache, the pipeline's own schedule; its search, pictures and the docs page it writes."""
+
+import ast
+import math
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from conftest import ROOT, small_config
+from test_layouts import LAYOUTS
+
+from jaxllm import plan
+from jaxllm.config import apply_overrides, base_config, load_config, validate
+from jaxllm.model.cache import KVCache
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.parallel.schedule import Schedule
+from jaxllm.plan.comm import by_kind, communication
+from jaxllm.plan.estimate import estimate, link_bandwidth
+from jaxllm.plan.hardware import ACCELERATORS
+from jaxllm.plan.hlo import collective_bytes
+from jaxllm.plan.params import megatron_extras, megatron_formula
+from jaxllm.plan.plot import BUBBLE, schedule_grid
+from jaxllm.plan.scale_doc import page
+from jaxllm.plan.search import Layout, search
+from jaxllm.train.dry_run import AS_ON_GPU, lower_abstract_step, peak_bytes
+
+# Narayanan et al. 2021, Table 1: heads, hidden, layers → parameters (billions); V 51200, s 2048.
+MEGATRON_TABLE_1 = [(32, 4096, 36, 7.5), (80, 10240, 60, 76.1), (128, 20480, 105, 529.6), (160, 25600, 128, 1008.0)]
+
+
+@pytest.mark.parametrize("heads, hidden, layers, billions", MEGATRON_TABLE_1)
+def test_parameters_match_megatron_table_1_under_its_convention(heads, hidden, layers, billions):
+    model = base_config().model
+    model.update(num_layers=layers, hidden=hidden, num_heads=heads, num_kv_heads=heads, mlp=4 * hidden,
+                 vocab_size=51200, mlp_activation="gelu", norm="layernorm", tie_embeddings=True,
+                 qkv_share_every=1)  # fmt: skip
+    ours = plan.param_counts(model)["total"]
+    theirs = ours + sum(megatron_extras(model, 2048).values())
+    tolerance = 0.005 * billions + 0.05
+    assert abs(theirs / 1e9 - billions) <= tolerance
+    assert abs(megatron_formula(layers, hidden, 51200, 2048) / 1e9 - billions) <= tolerance
+    assert theirs - ours == 2048 * hidden + layers * 9 * hidden  # positions; biases of qkv, out, fc1, fc2
+
+
+def _comm_config(layout: dict):
+    cfg = small_config(num_layers=8, hidden=128, num_heads=8, num_kv_heads=8, mlp=384, vocab_size=1024, remat="full")
+    cfg.model.max_seq_len = 128
+    layout = dict(layout)
+    cfg.train.update(seq_len=128, batch_size=16, grad_accum_steps=layout.pop("grad_accum_steps", 1))
+    cfg.parallel.update(layout)
+    return cfg
+
+
+MORE = {  # pipelines, and ZeRO-1 with gradient accumulation (reduce-scattered into the moments' layout)
+    "data8 grad_accum 2": dict(data=8, grad_accum_steps=2),
+    "data2xstage2xtensor2": dict(data=2, stage=2, tensor=2, microbatches=4),
+    "fsdp2xstage2xtensor2 sequence parallel": dict(fsdp=2, stage=2, tensor=2, microbatches=4, sequence_parallel=True),
+}
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS.values(), *MORE.values()], ids=[*LAYOUTS, *MORE])
+def test_communication_matches_the_compiled_step(layout):
+    """Bytes reduced, gathered and permuted per device per step: the planner's against the compiled
+    train step's collectives, each counted as often as the loops around it run."""
+    cfg = _comm_config(layout)
+    hlo = lower_abstract_step(cfg, make_mesh(cfg.parallel)).compile(compiler_options=AS_ON_GPU).as_text()
+    compiled, planned = collective_bytes(hlo), by_kind(communication(cfg, backend="cpu"))
+    assert set(planned) == set(compiled), (planned, compiled)
+    for kind in compiled:
+        assert 0.9 <= planned[kind] / compiled[kind] <= 1.1, (kind, planned[kind], compiled[kind])
+
+
+def test_memory_estimate_is_within_15_percent_of_the_compiler_for_the_tiny_config():
+    cfg = load_config("configs/tiny.py")
+    cfg.parallel.data = 1
+    compiled = lower_abstract_step(cfg, make_mesh(cfg.parallel, jax.devices()[:1])).compile(compiler_options=AS_ON_GPU)
+    assert 0.85 <= plan.memory(cfg)["total"] / peak_bytes(compiled.memory_analysis()) <= 1.15
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_kv_cache_bytes_equal_the_real_cache(dtype):
+    cfg = small_config(num_kv_heads=4)
+    cache = KVCache.empty(cfg.model, slots=3, max_len=40, dtype=dtype)
+    real = sum(a.nbytes for a in jax.tree.leaves(cache))
+    name = {"bfloat16": "bf16", "int8": "int8"}[dtype]
+    assert plan.kv_cache_bytes(cfg.model, 3, 40, name) == real
+    assert plan.kv_cache_bytes(cfg.model, 3, 40, name, tensor=2) == real / 2
+
+
+@pytest.mark.parametrize("stages, repeats, microbatches", [(4, 1, 32), (2, 2, 4), (4, 2, 8), (3, 1, 1)])
+def test_pictured_schedule_runs_every_microbatch_once_per_stage_and_repeat(stages, repeats, microbatches):
+    schedule = Schedule(stages, repeats, microbatches)
+    grid = schedule_grid(schedule)
+    assert grid.shape == (stages, schedule.iterations)
+    assert np.isclose((grid == BUBBLE).mean(), schedule.bubble)
+    for stage in grid:  # each microbatch once per repeat, in order, one iteration behind the stage before
+        assert list(stage[stage != BUBBLE]) == list(range(microbatches)) * repeats
+    assert (np.argmax(grid != BUBBLE, axis=1) == np.arange(stages)).all()
+
+
+def test_links_follow_the_mesh_order_over_nodes_of_8():
+    a100, sizes = ACCELERATORS["a100-80gb"], dict(data=2, fsdp=2, stage=4, tensor=8)
+    assert link_bandwidth(("tensor",), sizes, a100) == a100.nvlink
+    assert link_bandwidth(("stage",), sizes, a100) == a100.network
+    assert link_bandwidth(("fsdp",), dict(data=8, fsdp=2, stage=1, tensor=4), a100) == a100.nvlink
+    assert link_bandwidth(("data", "fsdp"), dict(data=8, fsdp=2, stage=1, tensor=4), a100) == a100.network
+
+
+def test_estimate_moves_with_the_hardware_and_the_layout():
+    cfg = load_config("configs/120b.py")
+    a100, h100 = (estimate(cfg, ACCELERATORS[k]) for k in ("a100-80gb", "h100-80gb"))
+    assert math.isclose(a100.compute / h100.compute, 989 / 312)  # compute-bound part scales with peak FLOP/s
+    assert 450 / 300 < a100.exposed / h100.exposed < 50 / 25  # tensor on NVLink 3 vs 4, stage on HDR vs NDR
+    fp8 = cfg.copy_and_resolve_references()
+    fp8.model.fp8.enabled = True  # the H100's FP8 peak is 1979 TFLOP/s; the A100 has no FP8
+    assert estimate(fp8, ACCELERATORS["h100-80gb"]).compute == pytest.approx(h100.compute * 989 / 1979)
+    assert estimate(fp8, ACCELERATORS["a100-80gb"]).compute == pytest.approx(a100.compute)
+
+
+def test_search_lists_the_120b_layout_among_those_that_fit_64_a100s(tmp_path):
+    """The CLI: `--search --gpus 64 --device a100-80gb` prints this config's layout among the
+    layouts that fit, each as overrides that reproduce it; `--plot` draws the picture."""
+    picture = tmp_path / "plan.png"
+    cmd = [sys.executable, "-m", "jaxllm.plan", "--config", "configs/120b.py", "--search", "--gpus", "64",
+           "--device", "a100-80gb", "--top", "3", "--plot", str(picture), "--convention", "megatron"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    own = re.search(r"^ +(\d+)\. step .*?(--config\.parallel.*?)  ← this config$", out, re.M)
+    assert own, out[-3000:]
+    cfg = load_config("configs/120b.py")
+    assert own.group(2) == Layout.of(cfg).overrides()
+    fitting, _ = search(cfg, 64, ACCELERATORS["a100-80gb"])
+    assert len(fitting) > int(own.group(1)) - 1 and all(c.memory <= 0.9 * 80 * 2**30 for c in fitting)
+    rows = re.findall(r"^ +\d+\. step .*?GiB  (--config.*?)(?:  ← this config)?$", out, re.M)
+    assert len(rows) == 4  # the top 3 and this config's
+    for row in rows:  # each row's overrides give a config that passes the checks on 64 devices
+        fields = dict(o.removeprefix("--config.").split("=") for o in row.split())
+        validate(apply_overrides(cfg.copy_and_resolve_references(), {k: _value(v) for k, v in fields.items()}), 64)
+    assert "total, Megatron-LM" in out and "fits one A100" in out
+    assert picture.stat().st_size > 10_000
+
+
+def _value(text: str):
+    try:
+        return ast.literal_eval(text)
+    except ValueError:
+        return text
+
+
+def test_docs_scale_page_is_what_the_planner_prints_today():
+    assert (ROOT / "docs" / "scale.md").read_text() == page(), "run: python -m jaxllm.plan.scale_doc > docs/scale.md"
+
+
+def test_planner_refuses_a_layout_the_trainer_would():
+    cmd = [sys.executable, "-m", "jaxllm.plan", "--config", "configs/120b.py", "--config.parallel.stage=8",
+           "--config.parallel.fsdp=1"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "do not split into parallel.stage=8" in proc.stderr + proc.stdout
