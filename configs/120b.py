@@ -15,7 +15,7 @@ Why these numbers:
 - cuDNN flash attention: no [seq, seq] scores in memory. (`--dry-run` compiles XLA attention in its
   place, since XLA:CPU has no cuDNN, so its figures over-state attention.)
 - Memory per 80 GB GPU (`--dry-run`): 21.4 GiB of params and Adam state; the stage's bf16 weights
-  gathered for the step and their fp32 gradient sums, 20.6 GiB; a 56.4 GiB peak, 70 % of the GPU.
+  gathered for the step and their fp32 gradient sums, 20.6 GiB; a 56.3 GiB peak, 70 % of the GPU.
   The fp32 sums are what keeps gradients exact over 32 microbatches (Megatron's main_grad).
 """
 

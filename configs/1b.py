@@ -1,5 +1,5 @@
 """~1.2B model for one 8-GPU node: FSDP over all 8 devices, selective remat, 4 accumulation
-microsteps of 2 sequences per GPU (`--dry-run` peak 14.2 GiB with XLA attention)."""
+microsteps of 2 sequences per GPU (`--dry-run` peak 14.3 GiB with XLA attention)."""
 
 from jaxllm.config import base_config
 

@@ -1,6 +1,6 @@
 """~8.4B model for one 8-GPU node: Llama-8B width with GQA, 40 layers (QKV is shared, so 32 would be
 6.8B); tensor 2 × fsdp 4, full remat, 16 accumulation microsteps of 1 sequence per fsdp rank
-(`--dry-run` peak 45.3 GiB with XLA attention)."""
+(`--dry-run` peak 44.4 GiB with XLA attention)."""
 
 from jaxllm.config import base_config
 
