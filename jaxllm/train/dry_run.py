@@ -119,6 +119,8 @@ def compare_with_compiler(cfg: ml_collections.ConfigDict) -> dict:
     planned_collectives = by_kind(communication(cfg, backend=jax.default_backend()))
     collectives = collective_bytes(compiled.as_text())
     print("collectives per device per step, GB (the compiled program's, loops counted; the planner's):")
+    if not collectives and not planned_collectives:
+        print("  none: one device")
     for kind in sorted(set(collectives) | set(planned_collectives)):
         got, want = collectives.get(kind, 0.0), planned_collectives.get(kind, 0.0)
         ratio = want / got if got else float("nan")
