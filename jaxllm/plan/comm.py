@@ -93,8 +93,8 @@ def communication(cfg: ml_collections.ConfigDict, backend: str = "gpu") -> list[
     every = sum(weights.values()) + (head if "lm_head" in specs else 0)
     stages = n["stage"] if schedule else 1
     rows = t.batch_size // (n["data"] * n["fsdp"]) // accum  # a microstep's sequences per device
-    compute = jnp.dtype(jnp.float32 if backend == "cpu" else m.dtype).itemsize
-    act = rows * t.seq_len * m.hidden * compute  # a block's [rows, seq, hidden]
+    compute_dtype = jnp.float32 if backend == "cpu" else m.dtype  # what 16-bit collectives move
+    act = rows * t.seq_len * m.hidden * jnp.dtype(compute_dtype).itemsize  # a block's [rows, seq, hidden]
     reduces, gathers = _recomputed(m.remat, share)
     per_layer_remat = m.remat not in ("none", "group")
     out = []
@@ -172,8 +172,7 @@ def communication(cfg: ml_collections.ConfigDict, backend: str = "gpu") -> list[
         add("fsdp: layer weights all-gathered forward and backward", "all-gather", ("fsdp",), gathered, accum)
     else:
         stage_weights = weights["groups"] / stages
-        copies = split(specs["groups"], _itemsize(jnp.float32 if backend == "cpu" else m.dtype, norms_in_fp32=True))
-        copies /= stages
+        copies = split(specs["groups"], _itemsize(compute_dtype, norms_in_fp32=True)) / stages
         add("fsdp: the stage's weights all-gathered (compute dtype)", "all-gather", ("fsdp",), copies, 1)
         add("fsdp: the stage's fp32 gradient sums reduce-scattered", "reduce-scatter", ("fsdp",), stage_weights, accum)
         add(

@@ -81,10 +81,9 @@ def dry_run(cfg: ml_collections.ConfigDict) -> None:
     compare_with_compiler(cfg)
 
 
-def compare_with_compiler(cfg: ml_collections.ConfigDict) -> dict:
+def compare_with_compiler(cfg: ml_collections.ConfigDict) -> None:
     """Compiles the train step for the configured mesh (the devices must be there: see
-    `ensure_fake_devices`) and prints its memory and collectives beside the planner's; returns
-    {'peak', 'planned', 'collectives', 'planned collectives'} (bytes per device)."""
+    `ensure_fake_devices`) and prints its memory and collectives beside the planner's."""
     validate(cfg, jax.device_count())
     mesh = make_mesh(cfg.parallel)
     if cfg.model.attention != "xla":
@@ -125,5 +124,3 @@ def compare_with_compiler(cfg: ml_collections.ConfigDict) -> dict:
         got, want = collectives.get(kind, 0.0), planned_collectives.get(kind, 0.0)
         ratio = want / got if got else float("nan")
         print(f"  {kind:<12}{got / 1e9:12.4f}{want / 1e9:12.4f}   planned / compiled = {ratio:.2f}")
-    return {"peak": peak, "planned": planned["total"], "collectives": collectives,
-            "planned collectives": planned_collectives}  # fmt: skip

@@ -58,7 +58,8 @@ def build_run(cfg: ml_collections.ConfigDict, mesh: Mesh) -> Run:
         check_host_memory(mesh.devices.flat[0])
     state = partial(_abstract_state, optimizer=optimizer, mesh=mesh, zero1=p.zero1, offload=p.offload_optimizer,
                     dtype=dtype)  # fmt: skip
-    own = state(param_specs(cfg.model, schedule), rules=RULES)
+    specs = param_specs(cfg.model, schedule)
+    own = state(specs, rules=RULES)
     # Canonical [groups, ...] split in contiguous blocks over `stage`: the same bytes per device as
     # the pipeline view (exactly its layout when repeats = 1), resharded to it after the read.
     canonical = state(param_specs(cfg.model), rules=RULES if schedule is None else {**RULES, "layers": "stage"})
@@ -68,7 +69,7 @@ def build_run(cfg: ml_collections.ConfigDict, mesh: Mesh) -> Run:
         schedule=schedule,
         optimizer=optimizer,
         shardings=jax.tree.map(lambda s: s.sharding, own),
-        grad_shardings=_moment_shardings(param_specs(cfg.model, schedule), mesh, p.zero1, RULES),
+        grad_shardings=_moment_shardings(specs, mesh, p.zero1, RULES),
         batch_sharding=batch_sharding(mesh),
         canonical=canonical,
     )
