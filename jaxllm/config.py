@@ -19,6 +19,7 @@ REMAT_POLICIES = ("none", "full", "group", "selective", "dots", "offload")
 MESH_AXES = ("data", "fsdp", "stage", "tensor")
 FP8_AMAX_REDUCE = ("global", "local")
 QUANTIZE = (None, "int8")
+ROPE_SCALINGS = ("none", "linear", "llama3")
 
 
 class ConfigError(JaxllmError):
@@ -43,6 +44,9 @@ def base_config() -> ml_collections.ConfigDict:
         mlp_activation="swiglu",
         tie_embeddings=False,
         rope_theta=10000.0,
+        # RoPE frequencies stretched for long context: 'none', 'linear' (every one divided by factor) or
+        # 'llama3' (Llama 3.1's: low frequencies divided by factor, high ones kept, a smooth ramp between)
+        rope_scaling=dict(type="none", factor=1.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_len=8192),
         dtype="bfloat16",
         param_dtype="float32",
         remat="none",
@@ -80,6 +84,11 @@ def base_config() -> ml_collections.ConfigDict:
         sample_temperature=0.7,  # 0 = greedy
         sample_top_k=40,
         sample_top_p=1.0,
+    )
+    cfg.init = dict(
+        # A Hugging Face Llama directory to fine-tune: its config.json sets the model's architecture, its
+        # tokenizer.json the tokenizer, its weights the initial params (the optimizer starts fresh)
+        hf=placeholder(str),
     )
     cfg.checkpoint = dict(
         every_steps=100,  # 0: not by steps
@@ -270,6 +279,19 @@ def _validate_attention(cfg: ml_collections.ConfigDict, backend: str | None) -> 
         )
 
 
+def _validate_rope(scaling: ml_collections.ConfigDict) -> None:
+    _require(
+        scaling.type in ROPE_SCALINGS,
+        f"model.rope_scaling.type={scaling.type!r} is unknown; use one of {ROPE_SCALINGS}",
+    )
+    _require(scaling.factor >= 1, f"model.rope_scaling.factor={scaling.factor} must be at least 1")
+    _require(
+        scaling.type != "llama3" or scaling.high_freq_factor > scaling.low_freq_factor,
+        f"model.rope_scaling.high_freq_factor={scaling.high_freq_factor} must exceed low_freq_factor="
+        f"{scaling.low_freq_factor}: between them the llama3 scaling ramps from scaled to unscaled",
+    )
+
+
 def _validate_fp8(m: ml_collections.ConfigDict) -> None:
     reduce = m.fp8.amax_reduce
     _require(reduce in FP8_AMAX_REDUCE, f"model.fp8.amax_reduce={reduce!r} is unknown; use one of {FP8_AMAX_REDUCE}")
@@ -306,6 +328,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, backend: str | No
         f"model.mlp_activation={m.mlp_activation!r} is unknown; use one of {MLP_ACTIVATIONS}",
     )
     _validate_attention(cfg, backend)
+    _validate_rope(m.rope_scaling)
     _require(m.remat in REMAT_POLICIES, f"model.remat={m.remat!r} is unknown; use one of {REMAT_POLICIES}")
     _validate_fp8(m)
     _require(

@@ -74,13 +74,13 @@ def wait_for(condition, timeout=60.0):
 
 
 @contextlib.contextmanager
-def server(workdir, log, *flags):
-    """`python -m jaxllm.serve --workdir WORKDIR FLAGS` on a free port of 127.0.0.1, once /health
-    says 200; yields the port and the /health statuses seen while it compiled."""
+def server(source: list[str], log, *flags):
+    """`python -m jaxllm.serve SOURCE FLAGS` (SOURCE: e.g. --workdir RUN) on a free port of
+    127.0.0.1, once /health says 200; yields the port and the /health statuses seen while it compiled."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, "-m", "jaxllm.serve", "--workdir", str(workdir), f"--config.serve.port={port}", *flags]
+    command = [sys.executable, "-m", "jaxllm.serve", *map(str, source), f"--config.serve.port={port}", *flags]
     with open(log, "w") as out:
         process = subprocess.Popen(command, cwd=ROOT, env=device_env(), stdout=out, stderr=subprocess.STDOUT)
     client, statuses = Client(port), []
@@ -119,7 +119,7 @@ def served(tmp_path_factory):
         "--config.serve.ppl_reject=true", "--config.serve.model_name=tiny",
     ]  # fmt: skip
     log = root / "server.log"
-    with server(workdir, log, *flags) as (port, statuses):
+    with server(["--workdir", workdir], log, *flags) as (port, statuses):
         assert 503 in statuses, "/health said 200 before the engine had compiled"
         sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
         tokenizer = load_saved_tokenizer(workdir / "tokenizer")
@@ -506,7 +506,7 @@ def test_int8_weights_and_kv_cache_answer_through_http(served, tmp_path):
     want = logprobs(ids)
     flags = ["--quantize", "int8", "--config.serve.kv_dtype=int8", "--config.serve.model_name=tiny-int8",
              "--config.serve.slots=2", "--config.serve.max_len=64", "--config.serve.max_prompt_tokens=32"]  # fmt: skip
-    with server(workdir, tmp_path / "server.log", *flags) as (port, _):
+    with server(["--workdir", workdir], tmp_path / "server.log", *flags) as (port, _):
         sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none needed", max_retries=0)
         done = sdk.completions.create(model="tiny-int8", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=1,
                                       extra_body={"ignore_eos": True})  # fmt: skip

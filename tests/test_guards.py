@@ -68,17 +68,17 @@ def test_chat_template_file_errors(tmp_path):
     template = tmp_path / "chat.jinja"
     template.write_text("{{ bos_token }}{% for m in messages %}{{ m.content }}{% if m.role == 'tool' %}"
                         "{{ raise_exception('no tools') }}{% endif %}{% endfor %}")  # fmt: skip
-    chat = ChatTemplate.from_file(str(template), {"bos_token": "<s>", "eos_token": "</s>"})
+    chat = ChatTemplate.chosen(str(template), None, {"bos_token": "<s>", "eos_token": "</s>"})
     assert chat.render([{"role": "user", "content": "x"}]) == "<s>x"
     with pytest.raises(RequestError, match="no tools"):
         chat.render([{"role": "tool", "content": "x"}])
     halving = "{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content / 2 }}{% endif %}{% endfor %}"
     template.write_text(halving)  # renders a user's message, fails on an assistant's
     with pytest.raises(RequestError, match="the chat template cannot render these messages: unsupported operand"):
-        ChatTemplate.from_file(str(template), {}).render([{"role": "assistant", "content": "x"}])
+        ChatTemplate.chosen(str(template), None, {}).render([{"role": "assistant", "content": "x"}])
     template.write_text("{% for m in messages %}{{ m.content / 2 }}{% endfor %}")
     with pytest.raises(ConfigError, match=f"--chat-template {template} does not render a one-message chat"):
-        ChatTemplate.from_file(str(template), {})
+        ChatTemplate.chosen(str(template), None, {})
     template.write_text("{% for m in messages %}")
     with pytest.raises(ConfigError, match="does not render"):
-        ChatTemplate.from_file(str(template), {})
+        ChatTemplate.chosen(str(template), None, {})

@@ -78,7 +78,7 @@ def test_limits_are_refused_clearly():
 def test_each_token_decodes_a_few_tokens_not_the_whole_output():
     class Counting:  # the real tokenizer, recording how many ids each decode is given
         def __init__(self):
-            self.eos_id, self.lengths = TOKENIZER.eos_id, []
+            self.stop_ids, self.lengths = TOKENIZER.stop_ids, []
 
         def decode(self, ids):
             self.lengths.append(len(ids))

@@ -2,6 +2,7 @@
 
 import pathlib
 import re
+import shlex
 import sys
 
 import chex
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import metrics, run, small_config, train_command
+from conftest import cli_data_flags, metrics, run, small_config, train_command
 
 from jaxllm.config import REMAT_POLICIES
 from jaxllm.data.tokenizer import load_saved_tokenizer
@@ -130,6 +131,31 @@ def test_cli_run_is_served_with_its_own_tokenizer(cli_run, tmp_path):
     )
     refused = run([*serve, "--checkpoint", str(tmp_path / "export"), "--tokenizer", "gpt2"], check=False)
     assert refused.returncode == 1 and "that the model was trained with" in refused.stderr, refused.stderr
+
+
+def test_readme_bring_a_llama_commands_run_as_written(cli_run, tmp_path):
+    """The README's try-it commands on this run: to-hf with the shared QKV expanded, serve --hf,
+    from-hf, and a fine-tune that starts from the run's trained weights."""
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    block = re.search(r"<!-- llama-commands -->\n```bash\n(.*?)```", readme, re.S).group(1)
+    paths = {"runs/tiny": cli_run[2], "exports/llama-tiny": tmp_path / "export", "llama-tiny": tmp_path / "llama",
+             "runs/llama-tiny-ft": tmp_path / "ft"}  # fmt: skip
+
+    def here(word: str) -> str:
+        flag, _, value = word.rpartition("=")
+        return f"{flag}={paths[value]}" if flag and value in paths else str(paths.get(word, word))
+
+    out = []
+    for line in block.strip().splitlines():
+        command = [sys.executable, *map(here, shlex.split(line)[1:])]
+        if "jaxllm.train" in command:  # this run's shapes and data, a few steps
+            command += [*cli_data_flags(tmp_path / "data"), "--config.train.seq_len=64", "--config.train.steps=2",
+                        "--config.train.log_every=1", "--config.train.sample_tokens=4"]  # fmt: skip
+        out.append(run(command).stdout)
+    assert "an exact Llama with" in out[0] and "--- 'def read_config(path):' (" in out[1] and "its tokenizer" in out[2]
+    assert f"init: params from {tmp_path / 'llama'}" in out[3]
+    first = metrics(tmp_path / "ft")[0]
+    assert first["step"] == 1 and first["loss"] < cli_run[1][-1]["loss"] + 0.3  # the trained weights, not a fresh init
 
 
 def test_readme_serving_snippet_runs_as_written(cli_run, capsys):

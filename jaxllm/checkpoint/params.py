@@ -1,6 +1,6 @@
-"""Parameters alone, from a training run's checkpoint or from an export, straight into any mesh's
-shardings (by the rules table) in any dtype, reading no optimizer state: the entry point for
-serving, export and conversion.
+"""Parameters alone, from a training run's checkpoint, an export or a Hugging Face Llama directory,
+straight into any mesh's shardings (by the rules table) in any dtype, reading no optimizer state:
+the entry point for serving, export, conversion and fine-tuning.
 
 An export is a directory with `params/` (an Orbax checkpoint of the params dict, groups in
 canonical order) and `config.json` (the run's own config), written by `write_export`.
@@ -19,14 +19,16 @@ from jax.sharding import Mesh
 
 from jaxllm.checkpoint.manager import UNREADABLE, CheckpointError, saved_config
 from jaxllm.config import with_defaults
+from jaxllm.hf.config import is_hf_dir
+from jaxllm.hf.directory import read_hf_params, stored_hf_config
 from jaxllm.model.decoder import param_specs
 from jaxllm.model.int8 import int8_model, quantize_weight
-from jaxllm.model.params import is_spec, storage_dtype
+from jaxllm.model.params import at_path, is_spec, storage_dtype
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.rules import tree_shardings
 
 
-def _target(specs: dict, mesh: Mesh, dtype: Any) -> dict:
+def abstract_params(specs: dict, mesh: Mesh, dtype: Any) -> dict:
     """Abstract canonical params of `specs`, sharded on `mesh` by the rules table."""
     shardings = tree_shardings(specs, mesh, fit=True)  # any mesh: axes that do not divide a dim are left out
 
@@ -44,7 +46,7 @@ def _quantized(params: dict, model: ml_collections.ConfigDict, mesh: Mesh, dtype
     """`params` with each dense projection in int8 (see `model/int8.py`; one already in int8 is kept)
     and the rest cast to `dtype`, placed on `mesh` by the rules table."""
     specs = param_specs(int8_model(model))
-    target = _target(specs, mesh, dtype)
+    target = abstract_params(specs, mesh, dtype)
 
     def convert(spec, want, w):
         if not _is_int8(spec):
@@ -58,7 +60,7 @@ def _quantized(params: dict, model: ml_collections.ConfigDict, mesh: Mesh, dtype
 
 
 def _is_export(path: pathlib.Path) -> bool:
-    return (path / "config.json").exists()
+    return (path / "config.json").exists() and not is_hf_dir(path)
 
 
 def _steps(path: pathlib.Path, step: int | None) -> list[int]:
@@ -74,8 +76,11 @@ def _steps(path: pathlib.Path, step: int | None) -> list[int]:
 
 
 def stored_config(path: str | pathlib.Path) -> ml_collections.ConfigDict:
-    """The config of an export, or of a training run's latest checkpoint whose metadata reads."""
+    """The config of an export, a Hugging Face Llama, or a training run's latest checkpoint whose
+    metadata reads."""
     path = pathlib.Path(path).absolute()
+    if is_hf_dir(path):
+        return stored_hf_config(path)
     if _is_export(path):
         return with_defaults(json.loads((path / "config.json").read_text()))
     steps = _steps(path, None)
@@ -93,16 +98,19 @@ def load_params(
     dtype: Any = None,
     step: int | None = None,
     quantize: str | None = None,
+    only: tuple[str, ...] | None = None,
 ) -> tuple[ml_collections.ConfigDict, dict, int]:
-    """(config, params, step) from an export directory or a training run's workdir (its latest
-    checkpoint that reads back, or `step`). Params land in `mesh`'s shardings (default: the first
-    device), cast to `dtype` (default: the config's param_dtype); a checkpoint's optimizer state
-    is never read. With `quantize="int8"`, full-precision params are quantized from their stored
-    dtype (an int8 export's weights are read as they are) and the config says so."""
+    """(config, params, step) from an export directory, a Hugging Face Llama directory (step 0)
+    or a training run's workdir (its latest checkpoint that reads back, or `step`). Params land
+    in `mesh`'s shardings (default: the first device), cast to `dtype` (default: the config's
+    param_dtype); a checkpoint's optimizer state is never read. With `quantize="int8"`,
+    full-precision params are quantized from their stored dtype (an int8 export's weights are
+    read as they are) and the config says so. With `only` (a parameter's path, e.g. ("embed",)),
+    the params hold that one parameter (not with `quantize`)."""
     path = pathlib.Path(path).absolute()
     mesh = mesh or make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=1, stage=1, tensor=1)), jax.devices()[:1])
     if quantize is None:
-        return _read_params(path, mesh, dtype, step)
+        return _read_params(path, mesh, dtype, step, only)
     cfg, params, step = _read_params(path, mesh, None, step)
     params = _quantized(params, cfg.model, mesh, dtype or cfg.model.param_dtype)
     cfg.model.quantize = quantize
@@ -110,21 +118,28 @@ def load_params(
 
 
 def _read_params(
-    path: pathlib.Path, mesh: Mesh, dtype: Any, step: int | None
+    path: pathlib.Path, mesh: Mesh, dtype: Any, step: int | None, only: tuple[str, ...] | None = None
 ) -> tuple[ml_collections.ConfigDict, dict, int]:
+    def target_of(cfg: ml_collections.ConfigDict) -> dict:
+        target = abstract_params(param_specs(cfg.model), mesh, dtype or cfg.model.param_dtype)
+        if only is None:
+            return target
+        part = at_path(target, only)
+        for key in reversed(only):
+            part = {key: part}
+        return part
+
+    if is_hf_dir(path):
+        cfg = stored_config(path)
+        return cfg, read_hf_params(path, cfg.model, target_of(cfg)), 0
     if _is_export(path):
         cfg = stored_config(path)
-        target = _target(param_specs(cfg.model), mesh, dtype or cfg.model.param_dtype)
-        return cfg, ocp.StandardCheckpointer().restore(path / "params", target), cfg.get("export_step", -1)
+        return cfg, _restore(path / "params", target_of(cfg)), cfg.get("export_step", -1)
     steps = _steps(path, step)
     for step in steps:
         try:
             cfg = saved_config(path, step)
-            target = {"params": _target(param_specs(cfg.model), mesh, dtype or cfg.model.param_dtype)}
-            restore = ocp.args.PyTreeRestore(
-                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
-            )
-            state = ocp.PyTreeCheckpointer().restore(path / "checkpoints" / str(step) / "state", args=restore)
+            state = _restore(path / "checkpoints" / str(step) / "state", {"params": target_of(cfg)})
             return cfg, state["params"], step
         except UNREADABLE as e:
             cause = f"{type(e).__name__}: {e}".splitlines()[0][:200]
@@ -132,11 +147,20 @@ def _read_params(
     raise CheckpointError(f"no checkpoint of {path} can be read ({steps}; see above); pass an export or another run")
 
 
+def _restore(directory: pathlib.Path, target: dict) -> dict:
+    """The arrays of `target` (a part of what `directory` holds, if it likes) as it lays them out."""
+    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+    args = ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
+    return ocp.PyTreeCheckpointer().restore(directory, args=args)
+
+
 def write_export(out: str | pathlib.Path, cfg: ml_collections.ConfigDict, params: dict, step: int) -> None:
+    """Saves `params` one array at a time and uncompressed: each array in flight holds a copy in
+    host memory until written (all of them at once, by default), and weights barely compress."""
     out = pathlib.Path(out).absolute()
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(out / "params", params, force=True)
-    checkpointer.wait_until_finished()
+    one_at_a_time = (max(a.nbytes for a in jax.tree.leaves(params)) + 1) / 1e9
+    handler = ocp.PyTreeCheckpointHandler(use_compression=False, save_concurrent_gb=one_at_a_time)
+    ocp.Checkpointer(handler).save(out / "params", args=ocp.args.PyTreeSave(params), force=True)
     exported = cfg.copy_and_resolve_references()
     exported.export_step = step
     (out / "config.json").write_text(exported.to_json_best_effort(indent=2))

@@ -40,6 +40,9 @@ class Tokenizer(Protocol):
     eos_id: int
     bos_id: int
     pad_id: int
+    stop_ids: frozenset[int]  # tokens that end a generation: eos, and any others the model's files name
+    prompt_prefix: tuple[int, ...]  # what the model's tokenizer puts before a text prompt (a Llama's bos)
+    chat_template: str | None  # the model's own Jinja chat template, if its files have one
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -63,6 +66,9 @@ class GPT2Tokenizer:
     name = "gpt2"
     vocab_size = 50257
     eos_id = bos_id = pad_id = 50256  # GPT-2 has one special token, <|endoftext|>
+    stop_ids = frozenset({eos_id})
+    prompt_prefix = ()
+    chat_template = None
 
     def __init__(self):
         import tiktoken
@@ -95,8 +101,27 @@ class GPT2Tokenizer:
         return "gpt2"  # rebuilt from the verified package files
 
 
+def _read_json(path: pathlib.Path) -> dict:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"{path} is not valid JSON ({e}); restore it or delete it") from e
+
+
+def _token_text(token) -> str | None:
+    """A special token as tokenizer_config.json gives it: its text, or an AddedToken's dict."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
 class HFTokenizer:
-    """Any Hugging Face `tokenizer.json` (a file, or a directory holding one)."""
+    """Any Hugging Face `tokenizer.json` (a file, or a directory holding one). Beside it, a model's
+    `tokenizer_config.json` names the bos and eos tokens and holds the chat template (or
+    `chat_template.jinja` does), and `generation_config.json` may name more tokens that end a
+    generation (Llama 3's <|eot_id|>); `save` keeps these files with the tokenizer. Text encodes
+    without the special tokens the file's post-processor adds (documents are joined by eos);
+    `prompt_prefix` holds those it puts first, for a server's text prompts."""
+
+    SIDECARS = ("tokenizer_config.json", "generation_config.json", "chat_template.jinja")
 
     def __init__(self, path: str | pathlib.Path):
         from tokenizers import Tokenizer as _Tokenizer
@@ -108,14 +133,29 @@ class HFTokenizer:
         self._tok = _Tokenizer.from_file(str(file))
         self.name, self.fingerprint = str(file), _sha256(file)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.eos_id = self._special(_EOS_NAMES)
+        config = _read_json(file.with_name("tokenizer_config.json"))
+        self.eos_id = self._special((_token_text(config.get("eos_token")), *_EOS_NAMES))
         if self.eos_id is None:
             raise TokenizerError(f"tokenizer {file} has no end-of-text token (one of {_EOS_NAMES}); add one")
-        self.bos_id = self._special(_BOS_NAMES, self.eos_id)
-        self.pad_id = self._special(_PAD_NAMES, self.eos_id)
+        self.bos_id = self._special((_token_text(config.get("bos_token")), *_BOS_NAMES), self.eos_id)
+        self.pad_id = self._special((_token_text(config.get("pad_token")), *_PAD_NAMES), self.eos_id)
+        self.prompt_prefix = self._prefix()
+        stops = _read_json(file.with_name("generation_config.json")).get("eos_token_id", [])
+        self.stop_ids = frozenset({self.eos_id, *(stops if isinstance(stops, list) else [stops])})
+        jinja = file.with_name("chat_template.jinja")
+        self.chat_template = jinja.read_text() if jinja.is_file() else config.get("chat_template")
+        if isinstance(self.chat_template, list):  # named templates: the default one
+            self.chat_template = next((t["template"] for t in self.chat_template if t["name"] == "default"), None)
 
-    def _special(self, names: tuple[str, ...], default: int | None = None) -> int | None:
-        ids = [self._tok.token_to_id(n) for n in names]
+    def _prefix(self) -> tuple[int, ...]:
+        """The ids the file's post-processor puts before a text (none for a trained BPE)."""
+        plain = self._tok.encode("a", add_special_tokens=False).ids
+        full = self._tok.encode("a", add_special_tokens=True).ids
+        starts = [i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain]
+        return tuple(full[: starts[0]]) if starts else ()
+
+    def _special(self, names: tuple[str | None, ...], default: int | None = None) -> int | None:
+        ids = [self._tok.token_to_id(n) for n in names if n]
         return next((i for i in ids if i is not None), default)
 
     def encode(self, text: str) -> list[int]:
@@ -128,8 +168,12 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def save(self, directory: pathlib.Path) -> str:
-        if pathlib.Path(self.name).absolute() != (directory / "tokenizer.json").absolute():
-            shutil.copyfile(self.name, directory / "tokenizer.json")
+        source = pathlib.Path(self.name)
+        if source.absolute() != (directory / "tokenizer.json").absolute():
+            shutil.copyfile(source, directory / "tokenizer.json")
+            for sidecar in map(source.with_name, self.SIDECARS):
+                if sidecar.is_file():
+                    shutil.copyfile(sidecar, directory / sidecar.name)
         return "tokenizer.json"
 
 

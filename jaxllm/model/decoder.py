@@ -166,7 +166,9 @@ class Decoder(nnx.Module):
         into it, and the result is (logits, cache)."""
         model = self.model
         dt = jnp.dtype(model.dtype)
-        ctx = layers.make_context(tokens, segment_ids, positions, sizes(model).head_dim, model.rope_theta)
+        ctx = layers.make_context(
+            tokens, segment_ids, positions, sizes(model).head_dim, model.rope_theta, model.rope_scaling
+        )
         # Gather the table's FSDP shards first (as for any weight), then look up vocab-sharded rows
         # of the fp32 table: the lookup's gradient adds every occurrence of a token into its row,
         # which in bf16 would stop growing after a few hundred occurrences.

@@ -9,6 +9,7 @@ fused two run on GPUs; config validation says which shapes each takes.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import partial
 from typing import NamedTuple
 
@@ -33,12 +34,17 @@ class Context(NamedTuple):
 
 
 def make_context(
-    tokens: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None, head_dim: int, rope_theta: float
+    tokens: jax.Array,
+    segment_ids: jax.Array | None,
+    positions: jax.Array | None,
+    head_dim: int,
+    rope_theta: float,
+    rope_scaling: Mapping | None = None,
 ) -> Context:
     """RoPE tables (positions default to 0..seq-1) and the documents' segment ids."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t)) if positions is None else positions
-    return Context(rope_tables(positions, head_dim, rope_theta), segment_ids, positions)
+    return Context(rope_tables(positions, rope_frequencies(head_dim, rope_theta, rope_scaling)), segment_ids, positions)
 
 
 def norm(x: jax.Array, p: dict, kind: str, eps: float) -> jax.Array:
@@ -52,9 +58,24 @@ def norm(x: jax.Array, p: dict, kind: str, eps: float) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos/sin of shape [batch, seq, 1, head_dim] for the rotate-half (Llama) convention."""
+def rope_frequencies(head_dim: int, theta: float, scaling: Mapping | None = None) -> jax.Array:
+    """The angular frequency of each rotated pair, [head_dim / 2], stretched as `scaling` (a
+    model's `rope_scaling`) says: 'linear' divides them all by its factor; 'llama3' divides those
+    whose wavelength exceeds the original context / low_freq_factor, keeps those under
+    original context / high_freq_factor, and interpolates between."""
     freqs = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    kind = "none" if scaling is None else scaling["type"]
+    if kind == "none":
+        return freqs
+    if kind == "linear":
+        return freqs / scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    kept = jnp.clip((scaling["original_max_len"] * freqs / (2 * jnp.pi) - low) / (high - low), 0.0, 1.0)
+    return (1 - kept) * freqs / scaling["factor"] + kept * freqs
+
+
+def rope_tables(positions: jax.Array, freqs: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos/sin of shape [batch, seq, 1, head_dim] for the rotate-half (Llama) convention."""
     angles = positions.astype(jnp.float32)[..., None] * freqs
     angles = jnp.concatenate([angles, angles], -1)[:, :, None, :]
     return jnp.cos(angles), jnp.sin(angles)

@@ -89,6 +89,13 @@ def storage_dtype(spec: ParamSpec, dtype: Any) -> jnp.dtype:
     return jnp.dtype(spec.dtype or dtype)
 
 
+def at_path(tree: dict, path: tuple[str, ...]) -> Any:
+    """The subtree of a nested dict at `path` (e.g. ("groups", "qkv", "q"))."""
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
 def is_spec(x: Any) -> bool:
     return isinstance(x, ParamSpec)
 

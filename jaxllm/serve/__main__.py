@@ -1,5 +1,5 @@
-"""`python -m jaxllm.serve (--workdir RUN | --checkpoint EXPORT) [--quantize int8] [--config.serve.X=...]`: serves
-the model over HTTP (OpenAI's API) on serve.host:serve.port. The server answers at once (/health
+"""`python -m jaxllm.serve (--workdir RUN | --checkpoint EXPORT | --hf DIR) [--quantize int8] [--config.serve.X=...]`:
+serves the model over HTTP (OpenAI's API) on serve.host:serve.port. The server answers at once (/health
 is 503 until every step has compiled). With `--prompt`, completes the prompts and exits instead."""
 
 import logging as std_logging
@@ -14,6 +14,7 @@ from ml_collections import config_flags
 
 from jaxllm.config import ConfigError, base_config
 from jaxllm.errors import exit_on_error
+from jaxllm.hf.config import is_hf_dir
 from jaxllm.serve.api import Server, create_app
 from jaxllm.serve.chat import ChatTemplate
 from jaxllm.serve.engine import Request
@@ -23,14 +24,19 @@ from jaxllm.serve.metrics import Metrics
 
 CONFIG = config_flags.DEFINE_config_dict("config", base_config(), "Overrides of the checkpoint's config.")
 WORKDIR = flags.DEFINE_string("workdir", None, "A training run: serve its latest readable checkpoint.")
-CHECKPOINT = flags.DEFINE_string("checkpoint", None, "An export (python -m jaxllm.export).")
+CHECKPOINT = flags.DEFINE_string("checkpoint", None, "An export (python -m jaxllm.export or jaxllm.convert).")
+HF = flags.DEFINE_string("hf", None, "A Hugging Face Llama directory (config.json, safetensors, tokenizer.json).")
 QUANTIZE = flags.DEFINE_enum(
     "quantize", None, ["int8"], "int8 weights, per-output-channel scales, quantized at load (an int8 export: as is)."
 )
 TOKENIZER = flags.DEFINE_string("tokenizer", None, "'gpt2' or a tokenizer.json instead of the saved one (must match).")
 API_KEYS = flags.DEFINE_string("api-keys", None, "A file of API keys, one per line (also: JAXLLM_API_KEYS=k1,k2).")
 DENY = flags.DEFINE_string("deny", None, "A file of regexes, one per line, refused in any request's text.")
-CHAT_TEMPLATE = flags.DEFINE_string("chat-template", None, "A Jinja chat template instead of the built-in one.")
+CHAT_TEMPLATE = flags.DEFINE_string(
+    "chat-template",
+    None,
+    "A Jinja chat template instead of the model's own (its tokenizer_config.json) or the built-in one.",
+)
 PROMPT = flags.DEFINE_multi_string("prompt", [], "Complete this prompt and exit instead of serving (repeatable).")
 MAX_TOKENS = flags.DEFINE_integer("max-tokens", 64, "With --prompt: tokens to generate per prompt.")
 TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "With --prompt: 0 is greedy.")
@@ -40,7 +46,8 @@ SEED = flags.DEFINE_integer("seed", 0, "With --prompt: the sampling seed.")
 def complete_prompts(path: str, cfg, tokenizer) -> None:
     engine = start_engine(path, cfg, tokenizer)
     requests = [
-        Request(tokenizer.encode(p), MAX_TOKENS.value, TEMPERATURE.value, seed=SEED.value) for p in PROMPT.value
+        Request([*tokenizer.prompt_prefix, *tokenizer.encode(p)], MAX_TOKENS.value, TEMPERATURE.value, seed=SEED.value)
+        for p in PROMPT.value
     ]
     for generation, prompt in zip(engine.generate(requests), PROMPT.value, strict=True):
         choice = generation.choices()[0]
@@ -56,7 +63,7 @@ def serve_http(path: str, cfg, tokenizer) -> None:
     s = cfg.serve
     server = Server(
         s, s.model_name or pathlib.Path(path).absolute().name, tokenizer,
-        ChatTemplate.from_file(CHAT_TEMPLATE.value, special_tokens(tokenizer)),
+        ChatTemplate.chosen(CHAT_TEMPLATE.value, tokenizer.chat_template, special_tokens(tokenizer)),
         DenyList.from_file(DENY.value), load_api_keys(API_KEYS.value), Metrics(s.slots),
     )  # fmt: skip
     try:
@@ -94,9 +101,13 @@ def serve_http(path: str, cfg, tokenizer) -> None:
 def main(argv) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)
-    if (WORKDIR.value is None) == (CHECKPOINT.value is None):
-        raise ConfigError("pass exactly one of --workdir RUN (a training run) or --checkpoint EXPORT")
-    path = WORKDIR.value or CHECKPOINT.value
+    sources = [s for s in (WORKDIR.value, CHECKPOINT.value, HF.value) if s is not None]
+    if len(sources) != 1:
+        raise ConfigError("pass exactly one of --workdir RUN (a training run), --checkpoint EXPORT or --hf DIR")
+    if HF.value is not None and not is_hf_dir(HF.value):
+        raise ConfigError(f"--hf {HF.value}: no Hugging Face config.json (with a model_type) there; pass the "
+                          "directory of a Llama saved by transformers")  # fmt: skip
+    path = sources[0]
     overrides = config_flags.get_override_values(flags.FLAGS["config"])
     if QUANTIZE.value:
         overrides["model.quantize"] = QUANTIZE.value

@@ -386,7 +386,8 @@ def create_app(server: Server) -> FastAPI:
                            "--config.serve.prompt_nll=true", "invalid", "invalid_value", "echo")  # fmt: skip
         texts = [p for p in prompts if isinstance(p, str)]
         encoded = iter(await run_in_threadpool(server.tokenizer.encode_batch, texts) if texts else [])
-        ids = [next(encoded) if isinstance(p, str) else p for p in prompts]
+        prefix = list(server.tokenizer.prompt_prefix)  # a text prompt starts as the model's tokenizer starts one
+        ids = [prefix + next(encoded) if isinstance(p, str) else p for p in prompts]
         requests = [body.request(p, _max_tokens(body.max_tokens, engine, p), body.logprobs) for p in ids]
         generations = server.submit(engine, requests, [p if isinstance(p, str) else None for p in prompts])
         api = _Completions(server, body)

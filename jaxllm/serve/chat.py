@@ -3,7 +3,8 @@
 `role` and `content`), `add_generation_prompt`, `bos_token`, `eos_token` and
 `raise_exception(message)`.
 
-The built-in template is a plain transcript, one `role: content` line per message, ending with
+A model converted from Hugging Face brings its own template (its tokenizer_config.json's). The
+built-in template is a plain transcript, one `role: content` line per message, ending with
 `assistant:` for the model to continue; it suits a model trained on plain text."""
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ class ChatTemplate:
             raise ConfigError(f"{origin} does not render a one-message chat: {e}; fix the template") from e
 
     @classmethod
-    def from_file(cls, path: str | None, tokens: dict[str, str]) -> ChatTemplate:
+    def chosen(cls, path: str | None, own: str | None, tokens: dict[str, str]) -> ChatTemplate:
+        """The template in the file at `path`, else the model's `own` (its tokenizer's), else the built-in one."""
         if path is None:
-            return cls(tokens=tokens)
+            return cls(tokens=tokens) if own is None else cls(own, tokens, "the tokenizer's chat template")
         file = pathlib.Path(path)
         if not file.is_file():
             raise ConfigError(f"--chat-template {path}: no such file; give a Jinja template")

@@ -1,6 +1,7 @@
 """What a server starts from: a training run's latest readable checkpoint (from any training mesh
-or pipeline) or an export, its config with `serve.*` overrides on top, its tokenizer, and the
-params alone, cast to the serving dtype and read straight into the serving shardings."""
+or pipeline), an export or a Hugging Face Llama directory; its config with `serve.*` overrides on
+top, its tokenizer, and the params alone, cast to the serving dtype and read straight into the
+serving shardings."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import ml_collections
 
 from jaxllm.checkpoint import load_params, stored_config
 from jaxllm.config import ConfigError, apply_overrides, serving_config
-from jaxllm.data.tokenizer import Tokenizer, load_saved_tokenizer
+from jaxllm.data.tokenizer import Tokenizer, get_tokenizer, load_saved_tokenizer
+from jaxllm.hf.config import is_hf_dir
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.serve.engine import Engine
 
@@ -23,7 +25,10 @@ def serving_setup(
     """The config and tokenizer to serve the run or export at `path` (quick: reads no params).
     `overrides` are dotted config fields; `tokenizer` replaces the saved one, which it must match."""
     path = pathlib.Path(path)
-    saved_tokenizer = load_saved_tokenizer(path / "tokenizer", tokenizer)
+    if is_hf_dir(path):  # its tokenizer.json, if it has one, lies beside its config.json
+        saved_tokenizer = get_tokenizer(tokenizer or path)
+    else:
+        saved_tokenizer = load_saved_tokenizer(path / "tokenizer", tokenizer)
     cfg = stored_config(path)
     stored_int8 = cfg.model.quantize == "int8"
     apply_overrides(cfg, overrides or {})

@@ -2,8 +2,8 @@
 
 Text is released only once it is final: never a part of a multi-byte character still being
 spelt out over several tokens, and never the start of what could still become a stop string.
-A stop string ends the request and is left out of its text; so is the end-of-sequence token
-(unless `ignore_eos`); `max_tokens` ends it with `length`.
+A stop string ends the request and is left out of its text; so is an end-of-sequence token
+(the tokenizer's `stop_ids`, unless `ignore_eos`); `max_tokens` ends it with `length`.
 
 Each token costs a decode of the few tokens since the last complete character, not of the whole
 output: `text` grows by what `tokens[_start:]` decodes to beyond `tokens[_start:_end]` (decoding
@@ -38,7 +38,7 @@ class TextStream:
         """Takes the request's next token; returns the text that became final with it."""
         if self.finish_reason is not None:
             raise ValueError("the request is finished; push no more tokens")
-        if token == self.tokenizer.eos_id and not self.ignore_eos:
+        if token in self.tokenizer.stop_ids and not self.ignore_eos:
             return self._finish("stop", self.text + self._pending())
         self.tokens.append(token)
         pending = self._pending()

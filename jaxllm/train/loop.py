@@ -131,6 +131,8 @@ class Loop:
         skipped = 0  # non-finite steps so far, carried across restarts with the data position
         if restored is None:
             self.state, self.start = init_state(run), 0
+            if cfg.init.hf:
+                print(f"init: params from {cfg.init.hf}, a fresh optimizer")
         else:
             self.state, self.start = restored.state, restored.step
             self.batches.set_state(restored.data_state["loader"])

@@ -10,6 +10,8 @@ import ml_collections
 import optax
 from flax import nnx
 
+from jaxllm.checkpoint.layout import from_canonical
+from jaxllm.hf.directory import read_hf_params
 from jaxllm.model.decoder import Decoder, forward, stage_copies
 from jaxllm.model.params import params_of
 from jaxllm.parallel.rules import activation_rules, rules_for
@@ -49,13 +51,16 @@ def init_params(cfg: ml_collections.ConfigDict) -> dict:
 
 
 def init_state(run: Run) -> State:
-    """Initialises params and optimizer state directly into their shardings."""
+    """Initialises params (from the seed, or from the Llama at `init.hf`) and a fresh optimizer
+    state directly into their shardings."""
 
-    def init() -> State:
-        params = init_params(run.cfg)
+    def init(params: dict | None) -> State:
+        params = init_params(run.cfg) if params is None else from_canonical(params, run.schedule)
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": run.optimizer.init(params)}
 
-    return jax.jit(init, out_shardings=run.shardings)()
+    hf = run.cfg.init.hf
+    loaded = None if hf is None else read_hf_params(hf, run.cfg.model, run.canonical["params"])
+    return jax.jit(init, out_shardings=run.shardings)(loaded)
 
 
 def train_step(state: State, batch: Batch, run: Run) -> tuple[State, dict]:

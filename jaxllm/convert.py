@@ -1,0 +1,119 @@
+"""Converts Llama-family models between Hugging Face directories and jaxllm.
+
+    python -m jaxllm.convert from-hf --hf DIR --out EXPORT
+    python -m jaxllm.convert to-hf --checkpoint EXPORT_OR_RUN --out DIR [--dtype bfloat16] [--expand-shared-qkv]
+
+`from-hf` writes an export (`serve --checkpoint EXPORT` serves it; it keeps the weights' dtype and
+the tokenizer's files). `to-hf` writes config.json, safetensors (sharded past --max-shard-size,
+with the index), generation_config.json and the tokenizer's files, as transformers, vLLM and TGI
+load them. A model Llama cannot express is refused by the field that differs; a shared QKV
+(`qkv_share_every` > 1) is written into every layer of its group with --expand-shared-qkv.
+Both directions go a tensor at a time (see `jaxllm/hf/`); neither needs torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import re
+
+import ml_collections
+
+from jaxllm.checkpoint import load_params, stored_config, write_export
+from jaxllm.config import sizes
+from jaxllm.data.tokenizer import HFTokenizer, load_saved_tokenizer, save_tokenizer
+from jaxllm.errors import exit_on_error
+from jaxllm.hf.config import ConversionError, check_llama, is_hf_dir
+from jaxllm.hf.directory import expanded_qkv_parameters, write_hf
+from jaxllm.hf.files import SAFETENSORS_DTYPES
+from jaxllm.model.decoder import param_specs
+from jaxllm.model.params import at_path, count
+from jaxllm.parallel.mesh import make_mesh
+
+UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+
+
+def _local_fsdp_mesh():
+    """Params split over this host's devices, so no one device holds a whole large model."""
+    return make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=-1, stage=1, tensor=1)))
+
+
+def from_hf(hf: str | pathlib.Path, out: str | pathlib.Path) -> None:
+    hf, out = pathlib.Path(hf), pathlib.Path(out)
+    if not is_hf_dir(hf):
+        raise ConversionError(f"--hf {hf}: no Hugging Face config.json (with a model_type) there; pass the directory "
+                              "of a Llama saved by transformers")  # fmt: skip
+    cfg, params, _ = load_params(hf, _local_fsdp_mesh())
+    write_export(out, cfg, params, 0)
+    if (hf / "tokenizer.json").is_file():
+        save_tokenizer(HFTokenizer(hf), out / "tokenizer")
+        tokenizer = "with its tokenizer"
+    else:
+        tokenizer = "without a tokenizer (none in the directory: pass --tokenizer when serving)"
+    print(f"from-hf: {hf} → {out.absolute()}: {count(param_specs(cfg.model)):,} parameters (vocab padded to "
+          f"{sizes(cfg.model).padded_vocab}) in {cfg.model.param_dtype}, {tokenizer}")  # fmt: skip
+
+
+def to_hf(
+    checkpoint: str | pathlib.Path,
+    out: str | pathlib.Path,
+    dtype: str | None = None,
+    expand_shared_qkv: bool = False,
+    max_shard_bytes: int = 5 * 10**9,
+    tokenizer: str | None = None,
+) -> None:
+    checkpoint, out = pathlib.Path(checkpoint), pathlib.Path(out)
+    model = stored_config(checkpoint).model
+    check_llama(model, expand_shared_qkv)  # before reading any weights
+    saved_tokenizer = load_saved_tokenizer(checkpoint / "tokenizer", tokenizer)
+    mesh = _local_fsdp_mesh()
+    cfg, _, step = load_params(checkpoint, mesh, only=("final_norm", "scale"))  # the step to read
+
+    def parameter(path: tuple[str, ...]):  # read one at a time: host memory holds one, not the model
+        return at_path(load_params(checkpoint, mesh, step=step if step >= 0 else None, only=path)[1], path)
+
+    dtype = dtype or cfg.model.param_dtype
+    files = write_hf(out, cfg.model, parameter, saved_tokenizer, dtype, max_shard_bytes)
+    print(f"to-hf: step {step} of {checkpoint} → {out.absolute()}: {len(files)} safetensors file(s) in {dtype}")
+    if model.qkv_share_every > 1:
+        print(f"to-hf: --expand-shared-qkv wrote each of the {sizes(model).groups} shared q/k/v into the "
+              f"{model.qkv_share_every} layers of its group: an exact Llama with "
+              f"{expanded_qkv_parameters(model):,} more parameters than this model")  # fmt: skip
+    if not isinstance(saved_tokenizer, HFTokenizer):
+        print(f"to-hf: the run's tokenizer is {saved_tokenizer.name!r}, which has no tokenizer.json; load it with "
+              "transformers' AutoTokenizer.from_pretrained('gpt2')")  # fmt: skip
+
+
+def byte_size(text: str) -> int:
+    """'5GB', '500MB' or a count of bytes."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?B?)\s*", text.upper())
+    if not match or match[2] not in UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 5GB, 500MB or 1000000")
+    return int(match[1]) * UNITS[match[2]]
+
+
+@exit_on_error
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m jaxllm.convert", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    down = sub.add_parser("from-hf", help="a Hugging Face Llama directory → a jaxllm export")
+    down.add_argument("--hf", required=True, help="a directory with config.json and safetensors")
+    down.add_argument("--out", required=True, help="the export directory to write")
+    up = sub.add_parser("to-hf", help="a jaxllm export or training run → a Hugging Face Llama directory")
+    up.add_argument("--checkpoint", required=True, help="an export, or a training run's --workdir (its latest step)")
+    up.add_argument("--out", required=True)
+    up.add_argument("--dtype", choices=sorted(SAFETENSORS_DTYPES), default=None,
+                    help="of the written weights (default: as stored)")  # fmt: skip
+    up.add_argument("--expand-shared-qkv", action="store_true",
+                    help="write each group's shared q/k/v into every layer of the group")  # fmt: skip
+    up.add_argument("--max-shard-size", type=byte_size, default="5GB", help="per safetensors file (default 5GB)")
+    up.add_argument("--tokenizer", default=None, help="'gpt2' or a tokenizer.json, for runs that saved none")
+    args = parser.parse_args()
+    if args.command == "from-hf":
+        from_hf(args.hf, args.out)
+    else:
+        to_hf(args.checkpoint, args.out, args.dtype, args.expand_shared_qkv, args.max_shard_size, args.tokenizer)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""A Hugging Face Llama directory as a source (its config as a jaxllm config, its weights into any
+mesh) and as a destination (config.json, safetensors, generation_config.json and the tokenizer's
+files, as transformers, vLLM and TGI load them)."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from collections.abc import Callable
+
+import jax
+import ml_collections
+
+from jaxllm.config import base_config, sizes
+from jaxllm.data.tokenizer import HFTokenizer, Tokenizer
+from jaxllm.hf.config import ConversionError, hf_config, model_fields, read_json
+from jaxllm.hf.files import SAFETENSORS_DTYPES, WeightFiles
+from jaxllm.hf.tensors import read_params, rules, write_hf_weights
+
+DTYPES = {code: name for name, code in SAFETENSORS_DTYPES.items()}
+
+
+def stored_hf_config(path: str | pathlib.Path) -> ml_collections.ConfigDict:
+    """A full jaxllm config for the Llama at `path`: its architecture from config.json, its
+    params stored in its weights' dtype, everything else the defaults."""
+    path = pathlib.Path(path)
+    cfg = base_config()
+    cfg.model.update(model_fields(read_json(path / "config.json"), str(path / "config.json")))
+    files = WeightFiles(path)
+    stored = files.dtype.get("model.embed_tokens.weight")
+    if stored not in DTYPES:
+        raise ConversionError(f"{path}: model.embed_tokens.weight is stored as {stored}; jaxllm reads weights "
+                              f"stored as {sorted(DTYPES)}")  # fmt: skip
+    cfg.model.param_dtype = DTYPES[stored]
+    return cfg
+
+
+def read_hf_params(path: str | pathlib.Path, model: ml_collections.ConfigDict, target: dict) -> dict:
+    """The Llama's weights at `path` as params shaped, sharded and typed as `target`."""
+    return read_params(WeightFiles(path), model, target)
+
+
+def write_hf(
+    out: str | pathlib.Path,
+    model: ml_collections.ConfigDict,
+    parameter: Callable[[tuple[str, ...]], jax.Array],
+    tokenizer: Tokenizer,
+    dtype: str,
+    max_shard_bytes: int,
+) -> list[pathlib.Path]:
+    """Writes `model` (see `check_llama`) as a Llama directory with the tokenizer's files, its
+    params asked of `parameter` one at a time (see `write_hf_weights`); returns the weight files."""
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = write_hf_weights(out, parameter, model, dtype, max_shard_bytes)
+    config = hf_config(model, dtype, tokenizer.bos_id, tokenizer.eos_id)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    if isinstance(tokenizer, HFTokenizer):
+        tokenizer.save(out)  # tokenizer.json with the tokenizer_config.json etc. it came with
+        _write_absent(out / "tokenizer_config.json", {
+            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.decode([tokenizer.bos_id]),
+            "eos_token": tokenizer.decode([tokenizer.eos_id]), "model_max_length": model.max_seq_len,
+        })  # fmt: skip
+    _write_absent(out / "generation_config.json", {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id})
+    return files
+
+
+def _write_absent(path: pathlib.Path, contents: dict) -> None:
+    if not path.exists():
+        path.write_text(json.dumps(contents, indent=2))
+
+
+def expanded_qkv_parameters(model: ml_collections.ConfigDict) -> int:
+    """Parameters that writing each group's shared q/k/v into every layer of the group adds."""
+    per_layer = sum(math.prod(r.hf_shape) for r in rules(model) if r.stack == "groups")
+    return per_layer * (model.num_layers - sizes(model).groups)

@@ -1,0 +1,453 @@
+"""Hugging Face Llama interop. Always: hand-built safetensors Llamas (names, shapes and config.json
+written here, not by jaxllm) imported and run against an independent numpy Llama; export → import
+bit-exact; the refusals; host memory while converting ~200 MB; `serve --hf` through the OpenAI
+client; fine-tuning's config and its initial state on a pipeline mesh. With the `hf` extra
+(torch + transformers): transformers' own LlamaForCausalLM both ways."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import ml_collections
+import numpy as np
+import openai
+import pytest
+import safetensors.numpy
+import tokenizers
+from conftest import ROOT, device_env, small_config
+from flax import nnx
+from numpy_llama import greedy, logits
+
+from jaxllm.checkpoint import load_params, write_export
+from jaxllm.checkpoint.layout import to_canonical
+from jaxllm.config import base_config, validate
+from jaxllm.convert import from_hf, to_hf
+from jaxllm.data.tokenizer import get_tokenizer, save_tokenizer, train_bpe
+from jaxllm.hf.config import ConversionError, fine_tuning_config
+from jaxllm.model.decoder import Decoder, forward
+from jaxllm.model.generate import generate
+from jaxllm.model.params import params_of
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.train.run import build_run
+from jaxllm.train.step import compile_eval_step, init_state
+
+BASE = dict(hidden=48, heads=4, kv=2, head_dim=16, layers=2, mlp=96, vocab=300)
+GQA_LLAMA3 = dict(tied=False, theta=50000.0, dtype="float32", shards=3,
+                  rope={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 16})  # fmt: skip
+MHA_TIED_BF16 = dict(kv=4, tied=True, theta=10000.0, dtype="bfloat16", shards=1, rope=None)
+
+
+def llama_config(hidden, heads, kv, head_dim, layers, mlp, vocab, tied, theta, rope, dtype) -> dict:
+    """A transformers-4-style Llama config.json."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": mlp, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "head_dim": head_dim, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+        "rope_theta": theta, "rope_scaling": rope, "max_position_embeddings": 64, "vocab_size": vocab,
+        "tie_word_embeddings": tied, "torch_dtype": dtype, "bos_token_id": 0, "eos_token_id": 0,
+    }  # fmt: skip
+
+
+def llama_tensors(config: dict, dtype: str, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random weights under Llama's names, [out, in] matrices, norms near 1."""
+    h, m, heads, kv = (config[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                           "num_key_value_heads"))  # fmt: skip
+    hd, vocab, rng = config["head_dim"], config["vocab_size"], np.random.default_rng(seed)
+    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                   p + "self_attn.q_proj.weight": (heads * hd, h), p + "self_attn.k_proj.weight": (kv * hd, h),
+                   p + "self_attn.v_proj.weight": (kv * hd, h), p + "self_attn.o_proj.weight": (h, heads * hd),
+                   p + "mlp.gate_proj.weight": (m, h), p + "mlp.up_proj.weight": (m, h),
+                   p + "mlp.down_proj.weight": (h, m)}  # fmt: skip
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (vocab, h)
+    return {
+        name: ((1 + 0.1 * rng.standard_normal(shape)) if "norm" in name else 0.2 * rng.standard_normal(shape))
+        .astype(np.float32)
+        .astype(dtype)
+        for name, shape in shapes.items()
+    }
+
+
+def write_llama(directory: pathlib.Path, config: dict, tensors: dict, shards: int) -> None:
+    """config.json and the weights in `shards` files (with the index past one), by the safetensors library."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    names = sorted(tensors)
+    if shards == 1:
+        safetensors.numpy.save_file(tensors, directory / "model.safetensors")
+        return
+    weight_map = {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[i::shards]}
+        safetensors.numpy.save_file(part, directory / file)
+        weight_map |= dict.fromkeys(part, file)
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def hand_built(directory: pathlib.Path, **overrides) -> tuple[dict, dict]:
+    spec = {**BASE, **GQA_LLAMA3, **overrides}
+    shards = spec.pop("shards")
+    config = llama_config(**spec)
+    tensors = llama_tensors(config, spec["dtype"])
+    write_llama(directory, config, tensors, shards)
+    return config, tensors
+
+
+def our_logits(path, tokens, mesh=None) -> np.ndarray:
+    cfg, params, _ = load_params(path, mesh)
+    cfg.model.dtype = "float32"
+    return np.asarray(forward(params, tokens, cfg.model))[..., : cfg.model.vocab_size]
+
+
+TOKENS = np.random.default_rng(1).integers(0, BASE["vocab"], (2, 24))
+
+
+@pytest.mark.parametrize("case", [GQA_LLAMA3, MHA_TIED_BF16], ids=["gqa-untied-llama3-sharded", "mha-tied-bf16"])
+def test_imported_llama_computes_what_a_numpy_llama_computes(tmp_path, case):
+    config, tensors = hand_built(tmp_path / "hf", **case)
+    ref = logits(tensors, config, TOKENS)
+    assert ref.std() > 1  # logits that tell tokens apart, so a swapped head or rotation shows
+    np.testing.assert_allclose(our_logits(tmp_path / "hf", TOKENS), ref, rtol=2e-4, atol=2e-4)
+
+
+def test_sharded_import_fills_each_device_with_its_slice(tmp_path):
+    hand_built(tmp_path / "hf")
+    mesh = make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=2, stage=1, tensor=4)))
+    _, whole, _ = load_params(tmp_path / "hf")
+    _, split, _ = load_params(tmp_path / "hf", mesh)
+    assert any(len(a.sharding.device_set) == 8 for a in jax.tree.leaves(split))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), whole, split)
+
+
+def test_hf_to_jaxllm_to_hf_gives_back_the_same_tensors(tmp_path):
+    config, tensors = hand_built(tmp_path / "hf", **MHA_TIED_BF16)
+    from_hf(tmp_path / "hf", tmp_path / "export")
+    to_hf(tmp_path / "export", tmp_path / "back", tokenizer="gpt2")
+    back = safetensors.numpy.load_file(tmp_path / "back" / "model.safetensors")
+    assert back.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert back[name].dtype == tensor.dtype and np.array_equal(back[name], tensor), name
+    written = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert {k: written[k] for k in ("num_key_value_heads", "head_dim", "tie_word_embeddings", "rope_theta")} == {
+        k: config[k] for k in ("num_key_value_heads", "head_dim", "tie_word_embeddings", "rope_theta")
+    }
+
+
+def own_export(directory: pathlib.Path, **model) -> ml_collections.ConfigDict:
+    """A jaxllm export of a random model (vocab 257, padded to 384), with a trained BPE tokenizer."""
+    cfg = small_config(**{"qkv_share_every": 1, "init_std": 0.3, **model})
+    params = params_of(Decoder(cfg.model, rngs=nnx.Rngs(3)))
+    write_export(directory, cfg, params, 7)
+    save_tokenizer(get_tokenizer(bpe_tokenizer(directory.parent)), directory / "tokenizer")
+    return cfg
+
+
+def bpe_tokenizer(directory: pathlib.Path) -> pathlib.Path:
+    path = directory / "bpe" / "tokenizer.json"
+    if not path.exists():
+        text = (ROOT / "README.md").read_text().split("\n\n")
+        train_bpe(iter(text), 257, path.parent)
+    return path
+
+
+def test_export_then_import_is_bit_exact_and_drops_the_vocab_padding(tmp_path):
+    cfg = own_export(tmp_path / "export")
+    to_hf(tmp_path / "export", tmp_path / "hf", max_shard_bytes=100_000)
+    files = {p.name for p in (tmp_path / "hf").iterdir()}
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= files
+    weight_map = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(weight_map.values())) > 2 and set(weight_map.values()) <= files
+    head = safetensors.numpy.load_file(tmp_path / "hf" / weight_map["lm_head.weight"])["lm_head.weight"]
+    assert head.shape == (cfg.model.vocab_size, cfg.model.hidden)
+    from_hf(tmp_path / "hf", tmp_path / "again")
+    _, before, _ = load_params(tmp_path / "export")
+    _, after, _ = load_params(tmp_path / "again")
+    vocab = cfg.model.vocab_size
+    before["embed"], before["lm_head"] = before["embed"][:vocab], before["lm_head"][:, :vocab]
+    assert not np.asarray(after["embed"][vocab:]).any() and not np.asarray(after["lm_head"][:, vocab:]).any()
+    after["embed"], after["lm_head"] = after["embed"][:vocab], after["lm_head"][:, :vocab]
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), before, after)
+
+
+def test_expanded_shared_qkv_is_an_exact_llama(tmp_path, capsys):
+    cfg = own_export(tmp_path / "export", qkv_share_every=2, num_layers=4)
+    with pytest.raises(ConversionError, match=r"model.qkv_share_every=2: .* pass --expand-shared-qkv"):
+        to_hf(tmp_path / "export", tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+    to_hf(tmp_path / "export", tmp_path / "hf", expand_shared_qkv=True)
+    m = cfg.model  # every layer past its group's first gets its own q, k and v
+    extra = m.hidden * (m.num_heads + 2 * m.num_kv_heads) * (m.hidden // m.num_heads) * (m.num_layers - 2)
+    assert f"an exact Llama with {extra:,} more parameters" in capsys.readouterr().out
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    tensors = safetensors.numpy.load_file(tmp_path / "hf" / "model.safetensors")
+    for name in ("q_proj", "k_proj", "v_proj"):  # layers 0 and 1 share group 0's
+        assert np.array_equal(tensors[f"model.layers.0.self_attn.{name}.weight"],
+                              tensors[f"model.layers.1.self_attn.{name}.weight"])  # fmt: skip
+    tokens = TOKENS % cfg.model.vocab_size
+    np.testing.assert_allclose(our_logits(tmp_path / "export", tokens), logits(tensors, config, tokens), rtol=1e-4,
+                               atol=1e-4)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "model, pattern",
+    [
+        (dict(mlp_activation="geglu"), r"model.mlp_activation='geglu': Llama's MLP is SwiGLU"),
+        (dict(mlp_activation="gelu"), r"model.mlp_activation='gelu'"),
+        (dict(norm="layernorm"), r"model.norm='layernorm': Llama normalises with RMSNorm"),
+    ],
+)
+def test_a_model_llama_cannot_express_is_refused_by_field(tmp_path, model, pattern):
+    own_export(tmp_path / "export", **model)
+    with pytest.raises(ConversionError, match=pattern):
+        to_hf(tmp_path / "export", tmp_path / "hf", expand_shared_qkv=True)
+
+
+@pytest.mark.parametrize(
+    "change, pattern",
+    [
+        (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), r"rope_scaling.rope_type='yarn' is not implemented"),
+        (dict(hidden_act="gelu"), r"hidden_act='gelu' is not SwiGLU's silu"),
+        (dict(attention_bias=True), r"attention_bias=True adds biases"),
+        (dict(model_type="gpt2"), r"model_type='gpt2' is not a Llama model"),
+        (dict(intermediate_size=64), r"model.layers.0.mlp.down_proj.weight has shape \(48, 96\), config.json implies"),
+        (dict(tie_word_embeddings=True), r"unexpected lm_head.weight"),
+    ],
+)
+def test_an_hf_directory_that_cannot_be_read_is_refused_by_field(tmp_path, change, pattern):
+    config, _ = hand_built(tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **change}))
+    if change.get("tie_word_embeddings"):  # a tied model's extra head is allowed: store something else
+        pattern = r"unexpected model.extra"
+        safetensors.numpy.save_file({"model.extra": np.zeros(2, np.float32)}, tmp_path / "hf" / "extra.safetensors")
+        index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+        index["weight_map"]["model.extra"] = "extra.safetensors"
+        (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConversionError, match=pattern):
+        load_params(tmp_path / "hf")
+
+
+def test_a_missing_or_corrupt_shard_is_named(tmp_path):
+    hand_built(tmp_path / "hf")
+    shard = tmp_path / "hf" / "model-00002-of-00003.safetensors"
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ConversionError, match="model-00002-of-00003.safetensors is not a readable safetensors file"):
+        load_params(tmp_path / "hf")
+    shard.unlink()
+    with pytest.raises(ConversionError, match="model-00002-of-00003.safetensors is missing"):
+        load_params(tmp_path / "hf")
+
+
+def peak_memory(*arguments) -> int:
+    """The peak resident bytes of `python -m jaxllm.convert ARGUMENTS`, the only child of a fresh process."""
+    script = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
+              "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")  # fmt: skip
+    command = [sys.executable, "-c", script, sys.executable, "-m", "jaxllm.convert", *map(str, arguments)]
+    done = subprocess.run(command, env=device_env(1), capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.split()[-1]) * 1024
+
+
+def test_conversion_streams_within_one_and_a_half_times_the_model(tmp_path):
+    """~200 MB of fp32 weights each way. What the conversion's peak memory grows by over the same
+    conversion of a tiny model (the interpreter, JAX, Orbax) must stay within 1.5× the model."""
+    config = llama_config(hidden=512, heads=8, kv=4, head_dim=64, layers=13, mlp=1536, vocab=8000, tied=False,
+                          theta=10000.0, rope=None, dtype="float32")  # fmt: skip
+    tensors = llama_tensors(config, "float32")
+    size = sum(t.nbytes for t in tensors.values())
+    write_llama(tmp_path / "big", config, tensors, shards=2)
+    del tensors
+    hand_built(tmp_path / "tiny")
+    assert 180e6 < size < 220e6, size
+    growth = {}
+    for model in ("tiny", "big"):
+        from_hf = peak_memory("from-hf", "--hf", tmp_path / model, "--out", tmp_path / f"{model}-export")
+        to_hf = peak_memory("to-hf", "--checkpoint", tmp_path / f"{model}-export", "--out", tmp_path / f"{model}-hf",
+                            "--tokenizer", "gpt2", "--max-shard-size", "1GB")  # fmt: skip
+        growth = {"from-hf": from_hf - growth.get("from-hf", 0), "to-hf": to_hf - growth.get("to-hf", 0)}
+    assert max(growth.values()) <= 1.5 * size, {k: v / size for k, v in growth.items()}
+    back = tmp_path / "big-hf" / "model.safetensors"
+    assert back.stat().st_size > size  # all of it, in one file: the writer streamed it
+
+
+CHAT = "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+
+
+def with_tokenizer(directory: pathlib.Path) -> None:
+    """A real BPE's tokenizer.json beside the weights, with the tokenizer_config.json (bos, eos,
+    chat template) and generation_config.json (a second stop token) a Llama ships."""
+    tokenizer = get_tokenizer(bpe_tokenizer(directory.parent))
+    tokenizer.save(directory)
+    tok = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))  # Llama's: bos before every text
+    bos = tok.token_to_id("<|pad|>")
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<|pad|> $A", special_tokens=[("<|pad|>", bos)]
+    )
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|pad|>", "eos_token": {"content": "<|endoftext|>"}, "chat_template": CHAT}))  # fmt: skip
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [tokenizer.eos_id, 7]}))
+
+
+def test_a_models_tokenizer_files_give_its_special_tokens_stops_and_chat_template(tmp_path):
+    hand_built(tmp_path / "hf")
+    with_tokenizer(tmp_path / "hf")
+    from_hf(tmp_path / "hf", tmp_path / "export")
+    for directory in (tmp_path / "hf", tmp_path / "export" / "tokenizer"):  # the export keeps the files
+        tokenizer = get_tokenizer(directory)
+        assert tokenizer.decode([tokenizer.bos_id]) == "<|pad|>" and tokenizer.decode([tokenizer.eos_id]) == (
+            "<|endoftext|>"
+        )
+        assert tokenizer.stop_ids == {tokenizer.eos_id, 7} and tokenizer.chat_template == CHAT
+        assert tokenizer.prompt_prefix == (tokenizer.bos_id,) and tokenizer.encode("a") == tokenizer.encode("a")[-1:]
+    assert get_tokenizer(bpe_tokenizer(tmp_path)).prompt_prefix == ()  # no post-processor: nothing before a prompt
+
+
+def test_serve_hf_answers_through_the_openai_api(tmp_path):
+    """`serve --hf DIR`: a greedy completion is the numpy Llama's greedy continuation, and a chat
+    is rendered by the model's own template."""
+    from test_api import server
+
+    vocab = get_tokenizer(bpe_tokenizer(tmp_path)).vocab_size  # the server draws no id past the tokenizer's
+    config, tensors = hand_built(tmp_path / "hf", vocab=vocab)
+    with_tokenizer(tmp_path / "hf")
+    tokenizer, prompt = get_tokenizer(tmp_path / "hf"), "Bring a Llama"
+    flags = ["--config.serve.dtype=float32", "--config.serve.max_len=48", "--config.serve.slots=2"]
+    with server(["--hf", tmp_path / "hf"], tmp_path / "server.log", *flags) as (port, _):
+        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        done = sdk.completions.create(model="hf", prompt=prompt, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True})  # fmt: skip
+        chat = sdk.chat.completions.create(model="hf", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                           temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    prompt_ids = [tokenizer.bos_id, *tokenizer.encode(prompt)]  # as its tokenizer.json starts a text
+    want = greedy(tensors, config, prompt_ids, 8)
+    assert done.choices[0].text == tokenizer.decode(want) and done.usage.completion_tokens == 8
+    assert done.usage.prompt_tokens == len(prompt_ids)
+    rendered = tokenizer.encode("<|pad|><user>Hi\n<assistant>")
+    assert chat.usage.prompt_tokens == len(rendered)
+    assert chat.choices[0].message.content == tokenizer.decode(greedy(tensors, config, rendered, 4))
+
+
+def test_fine_tuning_config_takes_the_architecture_and_refuses_a_conflicting_override(tmp_path):
+    config, _ = hand_built(tmp_path / "hf")
+    with_tokenizer(tmp_path / "hf")
+    cfg = base_config()
+    cfg.init.hf = str(tmp_path / "hf")
+    tuned = fine_tuning_config(cfg, {"model.remat": "full", "model.num_heads": 4})
+    assert (tuned.model.hidden, tuned.model.num_kv_heads, tuned.model.qkv_share_every) == (48, 2, 1)
+    assert tuned.model.rope_scaling.type == "llama3" and tuned.model.rope_theta == config["rope_theta"]
+    assert tuned.data.tokenizer == str(tmp_path / "hf" / "tokenizer.json")
+    assert tuned.data.dir == f"{cfg.data.dir}-hf"
+    with pytest.raises(ConversionError, match=r"--config.model.hidden=64 conflicts with .*config.json, which gives 48"):
+        fine_tuning_config(cfg, {"model.hidden": 64})
+    with pytest.raises(ConversionError, match=r"--config.model.rope_scaling.factor=2.0 conflicts"):
+        fine_tuning_config(cfg, {"model.rope_scaling.factor": 2.0})
+    with pytest.raises(ConversionError, match="--config.data.tokenizer: init.hf fine-tunes with the model's own"):
+        fine_tuning_config(cfg, {"data.tokenizer": "gpt2"})
+
+
+def test_fine_tuning_starts_from_the_llama_on_a_pipeline_mesh(tmp_path):
+    """data 2 × stage 2 × tensor 2: the initial params are the Llama's, the optimizer is fresh,
+    and the pipelined loss equals the numpy Llama's."""
+    config, tensors = hand_built(tmp_path / "hf")
+    with_tokenizer(tmp_path / "hf")
+    cfg = base_config()
+    cfg.init.hf = str(tmp_path / "hf")
+    cfg = fine_tuning_config(cfg, {})
+    cfg.model.dtype = "float32"
+    cfg.parallel.update(data=2, fsdp=1, stage=2, tensor=2, microbatches=2)
+    cfg.train.update(batch_size=4, seq_len=16)
+    validate(cfg, 8)
+    run = build_run(cfg, make_mesh(cfg.parallel))
+    with jax.set_mesh(run.mesh):
+        state = init_state(run)
+        tokens = TOKENS[:, :17].repeat(2, 0)
+        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+        batch = jax.device_put(batch, run.batch_sharding)
+        total, count = compile_eval_step(run)(state["params"], batch)
+    _, imported, _ = load_params(tmp_path / "hf")
+    canonical = to_canonical(state["params"], run.schedule)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), canonical, imported)
+    assert int(state["step"]) == 0 and not any(np.asarray(m).any() for m in jax.tree.leaves(state["opt_state"]))
+    logp = logits(tensors, config, tokens[:, :-1])
+    logp = (
+        logp - np.log(np.exp(logp - logp.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logp.max(-1, keepdims=True)
+    )
+    nll = -np.take_along_axis(logp, tokens[:, 1:, None], -1).mean()
+    np.testing.assert_allclose(float(total / count), nll, rtol=1e-5)
+
+
+try:
+    import torch
+    import transformers
+except ImportError:
+    torch = transformers = None
+needs_hf = pytest.mark.skipif(torch is None, reason="needs the hf extra (torch, transformers): pip install -e '.[hf]'")
+
+
+def transformers_llama(directory: pathlib.Path, **config):
+    """A random LlamaForCausalLM built and saved by transformers itself."""
+    torch.manual_seed(0)
+    llama_config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, initializer_range=0.2, **config,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(llama_config).eval()
+    with torch.no_grad():  # norms away from 1, so a misplaced norm weight shows
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(directory)
+    return model
+
+
+def transformers_logits(model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.numpy()
+
+
+@needs_hf
+@pytest.mark.parametrize(
+    "config",
+    [dict(num_key_value_heads=4, tie_word_embeddings=False),
+     dict(num_key_value_heads=2, tie_word_embeddings=True, rope_theta=50000.0)],
+    ids=["mha-untied", "gqa-tied-theta"],
+)  # fmt: skip
+def test_transformers_llama_imports_with_equal_logits_and_greedy_tokens(tmp_path, config):
+    model = transformers_llama(tmp_path / "hf", **config)
+    ref = transformers_logits(model, TOKENS)
+    assert ref.std() > 1
+    np.testing.assert_allclose(our_logits(tmp_path / "hf", TOKENS), ref, rtol=1e-4, atol=1e-4)
+    prompt = TOKENS[0, :6]
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor(prompt[None]), max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    cfg, params, _ = load_params(tmp_path / "hf")
+    cfg.model.dtype = "float32"
+    assert generate(params, cfg.model, list(prompt), 16) == theirs[0].tolist()
+
+
+@needs_hf
+@pytest.mark.parametrize(
+    "model", [dict(), dict(tie_embeddings=True, num_kv_heads=2, rope_theta=5e4), dict(qkv_share_every=2)],
+    ids=["untied", "tied-gqa-theta", "expanded-shared-qkv"],
+)  # fmt: skip
+def test_export_loads_in_transformers_with_equal_logits(tmp_path, model):
+    cfg = own_export(tmp_path / "export", **model)
+    cfg.model.rope_scaling.update(type="llama3", factor=4.0, original_max_len=32)
+    write_export(tmp_path / "export", cfg, load_params(tmp_path / "export")[1], 7)
+    to_hf(tmp_path / "export", tmp_path / "hf", expand_shared_qkv=True)
+    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokens = TOKENS % cfg.model.vocab_size
+    np.testing.assert_allclose(transformers_logits(theirs, tokens), our_logits(tmp_path / "export", tokens),
+                               rtol=1e-4, atol=1e-4)  # fmt: skip
+    ours = get_tokenizer(tmp_path / "export" / "tokenizer")
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "hf").encode(PROMPT_TEXT) == ours.encode(PROMPT_TEXT)
+
+
+PROMPT_TEXT = "Bring a Llama: python -m jaxllm.convert from-hf"
