@@ -23,7 +23,7 @@ from jaxllm.checkpoint import load_params, stored_config, write_export
 from jaxllm.config import sizes
 from jaxllm.data.tokenizer import HFTokenizer, load_saved_tokenizer, save_tokenizer
 from jaxllm.errors import exit_on_error
-from jaxllm.hf.config import ConversionError, check_llama, is_hf_dir
+from jaxllm.hf.config import ConversionError, check_llama, is_hf_dir, require_hf_dir
 from jaxllm.hf.directory import expanded_qkv_parameters, write_hf
 from jaxllm.hf.files import SAFETENSORS_DTYPES
 from jaxllm.model.decoder import param_specs
@@ -39,10 +39,7 @@ def _local_fsdp_mesh():
 
 
 def from_hf(hf: str | pathlib.Path, out: str | pathlib.Path) -> None:
-    hf, out = pathlib.Path(hf), pathlib.Path(out)
-    if not is_hf_dir(hf):
-        raise ConversionError(f"--hf {hf}: no Hugging Face config.json (with a model_type) there; pass the directory "
-                              "of a Llama saved by transformers")  # fmt: skip
+    hf, out = require_hf_dir(hf, "--hf"), _empty_out(out)
     cfg, params, _ = load_params(hf, _local_fsdp_mesh())
     write_export(out, cfg, params, 0)
     if (hf / "tokenizer.json").is_file():
@@ -62,7 +59,10 @@ def to_hf(
     max_shard_bytes: int = 5 * 10**9,
     tokenizer: str | None = None,
 ) -> None:
-    checkpoint, out = pathlib.Path(checkpoint), pathlib.Path(out)
+    checkpoint, out = pathlib.Path(checkpoint), _empty_out(out)
+    if is_hf_dir(checkpoint):
+        raise ConversionError(f"--checkpoint {checkpoint} is already a Hugging Face directory; to change its dtype or "
+                              "shards, convert it from-hf first, then to-hf")  # fmt: skip
     model = stored_config(checkpoint).model
     check_llama(model, expand_shared_qkv)  # before reading any weights
     saved_tokenizer = load_saved_tokenizer(checkpoint / "tokenizer", tokenizer)
@@ -82,6 +82,14 @@ def to_hf(
     if not isinstance(saved_tokenizer, HFTokenizer):
         print(f"to-hf: the run's tokenizer is {saved_tokenizer.name!r}, which has no tokenizer.json; load it with "
               "transformers' AutoTokenizer.from_pretrained('gpt2')")  # fmt: skip
+
+
+def _empty_out(out: str | pathlib.Path) -> pathlib.Path:
+    """`out`, refused if it holds anything: files of an earlier conversion would mix with these."""
+    out = pathlib.Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ConversionError(f"--out {out} is not empty; pass a new directory (or empty this one)")
+    return out
 
 
 def byte_size(text: str) -> int:

@@ -111,6 +111,8 @@ def load_params(
     mesh = mesh or make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=1, stage=1, tensor=1)), jax.devices()[:1])
     if quantize is None:
         return _read_params(path, mesh, dtype, step, only)
+    if only is not None:
+        raise ValueError("load_params reads one parameter (only=) in full precision; drop quantize")
     cfg, params, step = _read_params(path, mesh, None, step)
     params = _quantized(params, cfg.model, mesh, dtype or cfg.model.param_dtype)
     cfg.model.quantize = quantize

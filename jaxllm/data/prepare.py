@@ -47,7 +47,9 @@ def _init_worker(tokenizer_spec: str) -> None:
 def _tokenize_file(path: pathlib.Path) -> list[tuple[str, list[int]]]:
     docs = list(read_documents(path))
     ids = _worker_tokenizer.encode_batch([text for _, text in docs])
-    return [(key, doc + [_worker_tokenizer.eos_id]) for (key, _), doc in zip(docs, ids, strict=True)]
+    # Each document as its model's tokenizer starts a text (a Llama's bos), then eos.
+    start, end = list(_worker_tokenizer.prompt_prefix), [_worker_tokenizer.eos_id]
+    return [(key, start + doc + end) for (key, _), doc in zip(docs, ids, strict=True)]
 
 
 class _ShardWriter:

@@ -56,8 +56,11 @@ class Tokenizer(Protocol):
         ...
 
 
-def _sha256(path: pathlib.Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def _sha256(*paths: pathlib.Path) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 class GPT2Tokenizer:
@@ -103,9 +106,12 @@ class GPT2Tokenizer:
 
 def _read_json(path: pathlib.Path) -> dict:
     try:
-        return json.loads(path.read_text()) if path.is_file() else {}
+        contents = json.loads(path.read_text()) if path.is_file() else {}
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TokenizerError(f"{path} is not valid JSON ({e}); restore it or delete it") from e
+    if not isinstance(contents, dict):
+        raise TokenizerError(f"{path} is not a JSON object; restore it or delete it")
+    return contents
 
 
 def _token_text(token) -> str | None:
@@ -131,7 +137,9 @@ class HFTokenizer:
         if not file.is_file():
             raise TokenizerError(f"tokenizer {path}: no tokenizer.json there; pass 'gpt2' or a tokenizer.json path")
         self._tok = _Tokenizer.from_file(str(file))
-        self.name, self.fingerprint = str(file), _sha256(file)
+        # The files beside it set bos, eos and the stops, so they are part of what data was made with.
+        sidecars = [f for f in map(file.with_name, self.SIDECARS) if f.is_file()]
+        self.name, self.fingerprint = str(file), _sha256(file, *sidecars)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         config = _read_json(file.with_name("tokenizer_config.json"))
         self.eos_id = self._special((_token_text(config.get("eos_token")), *_EOS_NAMES))
@@ -141,7 +149,8 @@ class HFTokenizer:
         self.pad_id = self._special((_token_text(config.get("pad_token")), *_PAD_NAMES), self.eos_id)
         self.prompt_prefix = self._prefix()
         stops = _read_json(file.with_name("generation_config.json")).get("eos_token_id", [])
-        self.stop_ids = frozenset({self.eos_id, *(stops if isinstance(stops, list) else [stops])})
+        stops = stops if isinstance(stops, list) else [stops]
+        self.stop_ids = frozenset({self.eos_id, *(i for i in stops if isinstance(i, int))})
         jinja = file.with_name("chat_template.jinja")
         self.chat_template = jinja.read_text() if jinja.is_file() else config.get("chat_template")
         if isinstance(self.chat_template, list):  # named templates: the default one

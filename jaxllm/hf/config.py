@@ -12,12 +12,15 @@ import ml_collections
 from jaxllm.config import sizes
 from jaxllm.errors import JaxllmError
 
-# HF rope_type → model.rope_scaling.type; the others (dynamic, yarn, longrope) are refused.
+# HF rope_type → model.rope_scaling.type, and the fields each needs; the others (dynamic, yarn,
+# longrope) are refused.
 ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}
-# The fields a Llama config.json decides; everything else (dtype, remat, ...) is the run's choice.
-ARCHITECTURE = ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "mlp", "vocab_size", "max_seq_len",
-                "qkv_share_every", "norm", "mlp_activation", "tie_embeddings", "rope_theta", "rope_scaling",
-                "norm_eps")  # fmt: skip
+ROPE_FIELDS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+SIZES_NEEDED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
 
 
 class ConversionError(JaxllmError):
@@ -37,14 +40,22 @@ def read_json(path: pathlib.Path) -> dict | None:
 def is_hf_dir(path: str | pathlib.Path) -> bool:
     """A Hugging Face model directory: a config.json with a model_type (an export's has a model section)."""
     config = read_json(pathlib.Path(path) / "config.json")
-    return config is not None and "model_type" in config
+    return isinstance(config, dict) and "model_type" in config
+
+
+def require_hf_dir(path: str | pathlib.Path, flag: str) -> pathlib.Path:
+    """`path`, absolute, if it is a Hugging Face model directory; else an error naming `flag`."""
+    if not is_hf_dir(path):
+        raise ConversionError(f"{flag} {path}: no Hugging Face config.json (with a model_type) there; pass the "
+                              "directory of a Llama saved by transformers")  # fmt: skip
+    return pathlib.Path(path).absolute()
 
 
 def _rope(hf: dict) -> dict:
     """θ and scaling, as transformers 5 (`rope_parameters`) or earlier (`rope_theta`, `rope_scaling`) writes them."""
-    if hf.get("rope_parameters"):
-        return dict(hf["rope_parameters"])
-    return {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 10000.0)}
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    return rope
 
 
 def model_fields(hf: dict, source: str) -> dict[str, Any]:
@@ -65,11 +76,20 @@ def model_fields(hf: dict, source: str) -> dict[str, Any]:
     for bias in ("attention_bias", "mlp_bias"):
         if hf.get(bias):
             refuse(bias, "adds biases, which jaxllm's projections do not have")
+    for field in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings"):  # fmt: skip
+        value = need(field) if field in SIZES_NEEDED else hf.get(field)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            refuse(field, "must be a positive integer")
     rope = _rope(hf)
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise ConversionError(f"{source}: rope_scaling.rope_type={kind!r} is not implemented; jaxllm implements "
                               f"{sorted(ROPE_TYPES)}, so convert a model that uses one of those")  # fmt: skip
+    missing = [k for k in ROPE_FIELDS[kind] if k not in rope]
+    if missing:
+        raise ConversionError(f"{source}: rope_scaling of rope_type {kind!r} lacks {missing}; add them as the "
+                              "model's original config.json has them")  # fmt: skip
     heads = need("num_attention_heads")
     return dict(
         num_layers=need("num_hidden_layers"),
@@ -143,7 +163,8 @@ def hf_config(model: ml_collections.ConfigDict, dtype: str, bos_id: int, eos_id:
         "tie_word_embeddings": bool(model.tie_embeddings),
         "attention_bias": False,
         "mlp_bias": False,
-        "torch_dtype": dtype,
+        "torch_dtype": dtype,  # transformers 4's name
+        "dtype": dtype,  # and 5's
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
     }
@@ -154,10 +175,7 @@ def fine_tuning_config(cfg: ml_collections.ConfigDict, overrides: dict[str, Any]
     (a command-line override that disagrees is refused), its tokenizer, and prepared data of its
     own (`data.dir` gains the model's name unless overridden). `overrides`: the dotted fields the
     command line set."""
-    hf = pathlib.Path(cfg.init.hf)
-    if not is_hf_dir(hf):
-        raise ConversionError(f"init.hf={hf}: no Hugging Face config.json (with a model_type) there; pass the "
-                              "directory of a Llama saved by transformers")  # fmt: skip
+    hf = require_hf_dir(cfg.init.hf, "--config.init.hf")
     fields = model_fields(read_json(hf / "config.json"), str(hf / "config.json"))
     flat = {f"model.{k}": v for k, v in fields.items() if k != "rope_scaling"}
     flat |= {f"model.rope_scaling.{k}": v for k, v in fields["rope_scaling"].items()}
@@ -172,7 +190,7 @@ def fine_tuning_config(cfg: ml_collections.ConfigDict, overrides: dict[str, Any]
         raise ConversionError(f"init.hf={hf} has no tokenizer.json; fine-tuning needs the model's own tokenizer")
     cfg = cfg.copy_and_resolve_references()
     cfg.model.update(fields)
-    cfg.data.tokenizer = str(hf.absolute() / "tokenizer.json")
+    cfg.init.hf, cfg.data.tokenizer = str(hf), str(hf / "tokenizer.json")
     if "data.dir" not in overrides:
-        cfg.data.dir = f"{cfg.data.dir}-{hf.absolute().name}"
+        cfg.data.dir = f"{cfg.data.dir}-{hf.name}"
     return cfg

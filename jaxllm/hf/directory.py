@@ -19,11 +19,15 @@ from jaxllm.hf.files import SAFETENSORS_DTYPES, WeightFiles
 from jaxllm.hf.tensors import read_params, rules, write_hf_weights
 
 DTYPES = {code: name for name, code in SAFETENSORS_DTYPES.items()}
+# A slot's default length when serving (serve.max_len): Llama 3's 131,072 positions would give every
+# slot a KV cache of gigabytes; --config.serve.max_len sets another.
+SERVE_MAX_LEN = 8192
 
 
 def stored_hf_config(path: str | pathlib.Path) -> ml_collections.ConfigDict:
     """A full jaxllm config for the Llama at `path`: its architecture from config.json, its
-    params stored in its weights' dtype, everything else the defaults."""
+    params stored in its weights' dtype, slots of at most `SERVE_MAX_LEN` tokens when served,
+    everything else the defaults."""
     path = pathlib.Path(path)
     cfg = base_config()
     cfg.model.update(model_fields(read_json(path / "config.json"), str(path / "config.json")))
@@ -33,6 +37,7 @@ def stored_hf_config(path: str | pathlib.Path) -> ml_collections.ConfigDict:
         raise ConversionError(f"{path}: model.embed_tokens.weight is stored as {stored}; jaxllm reads weights "
                               f"stored as {sorted(DTYPES)}")  # fmt: skip
     cfg.model.param_dtype = DTYPES[stored]
+    cfg.serve.max_len = min(cfg.model.max_seq_len, SERVE_MAX_LEN)
     return cfg
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 import struct
 from collections.abc import Callable, Iterable
@@ -27,15 +28,21 @@ class WeightFiles:
 
     def __init__(self, directory: str | pathlib.Path):
         self.directory = pathlib.Path(directory)
-        index = read_json(self.directory / INDEX)
+        index, single = read_json(self.directory / INDEX), self.directory / SINGLE
+        if index is not None and single.is_file():
+            raise ConversionError(f"{self.directory} has both {SINGLE} and {INDEX} (readers disagree on which "
+                                  "counts); remove the stale one")  # fmt: skip
         if index is not None:
+            if not isinstance(index.get("weight_map"), dict):
+                raise ConversionError(f"{self.directory / INDEX} has no weight_map; download the model's index again")
             files = {name: self.directory / file for name, file in index["weight_map"].items()}
-        elif (self.directory / SINGLE).is_file():
-            files = dict.fromkeys(self._open(self.directory / SINGLE).keys(), self.directory / SINGLE)
+        elif single.is_file():
+            files = dict.fromkeys(self._open(single).keys(), single)
         else:
             raise ConversionError(
                 f"{self.directory} has neither {SINGLE} nor {INDEX}; pass a Hugging Face model directory saved as "
-                "safetensors (transformers' save_pretrained writes one)"
+                "safetensors (a PyTorch .bin one converts with transformers' save_pretrained(DIR, "
+                "safe_serialization=True))"
             )
         self.file, self.shape, self.dtype = files, {}, {}
         for path in sorted(set(files.values())):
@@ -99,7 +106,8 @@ def write_weights(
 
 def _write_file(path: pathlib.Path, shard: list, produce: Callable[[str], np.ndarray], dtype: str) -> None:
     """One safetensors file: an 8-byte header length, the JSON header (space-padded to 8 bytes),
-    then each tensor's little-endian bytes in header order."""
+    then each tensor's little-endian bytes in header order. Written beside and renamed when
+    whole, so a file that is there is complete."""
     itemsize, header, offset = np.dtype(dtype).itemsize, {"__metadata__": {"format": "pt"}}, 0
     for name, shape in shard:
         end = offset + math.prod(shape) * itemsize
@@ -107,11 +115,14 @@ def _write_file(path: pathlib.Path, shard: list, produce: Callable[[str], np.nda
         offset = end
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
-    with open(path, "wb") as f:
+    partial = path.with_name(f".{path.name}.partial")
+    little = np.dtype(dtype).newbyteorder("<")
+    with open(partial, "wb") as f:
         f.write(struct.pack("<Q", len(encoded)))
         f.write(encoded)
         for name, shape in shard:
-            array = np.ascontiguousarray(produce(name), dtype=dtype)
+            array = np.ascontiguousarray(produce(name), dtype=little)
             if array.shape != tuple(shape):
                 raise ValueError(f"{name}: produced shape {array.shape}, declared {shape}")
             f.write(array.reshape(-1).view(np.uint8).data)
+    os.replace(partial, path)

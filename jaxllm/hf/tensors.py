@@ -93,6 +93,14 @@ def _check_names(files: WeightFiles, model: ml_collections.ConfigDict) -> None:
                               "directory whose config.json and weights belong together")  # fmt: skip
 
 
+def _holds(tree: dict, path: tuple[str, ...]) -> bool:
+    try:
+        at_path(tree, path)
+    except KeyError:
+        return False
+    return True
+
+
 def _put(tree: dict, path: tuple[str, ...], value) -> None:
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
@@ -114,8 +122,9 @@ def read_params(files: WeightFiles, model: ml_collections.ConfigDict, target: di
     parameter's shard on its way to its device, and one tensor."""
     _check_names(files, model)
     share, params = model.qkv_share_every, {}
+    wanted = [rule for rule in rules(model) if _holds(target, rule.ours)]  # all, or a part (load_params's only=)
     # Largest first: their copies on the way to the device come while little else is held.
-    for rule in sorted(rules(model), key=lambda r: -math.prod(at_path(target, r.ours).shape)):
+    for rule in sorted(wanted, key=lambda r: -math.prod(at_path(target, r.ours).shape)):
         want = at_path(target, rule.ours)
 
         def block(index: tuple[slice, ...], rule: Rule = rule, want=want) -> np.ndarray:

@@ -69,6 +69,8 @@ def rope_frequencies(head_dim: int, theta: float, scaling: Mapping | None = None
         return freqs
     if kind == "linear":
         return freqs / scaling["factor"]
+    if kind != "llama3":
+        raise ValueError(f"model.rope_scaling.type={kind!r} is unknown; use 'none', 'linear' or 'llama3'")
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     kept = jnp.clip((scaling["original_max_len"] * freqs / (2 * jnp.pi) - low) / (high - low), 0.0, 1.0)
     return (1 - kept) * freqs / scaling["factor"] + kept * freqs

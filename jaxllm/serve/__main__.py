@@ -14,7 +14,7 @@ from ml_collections import config_flags
 
 from jaxllm.config import ConfigError, base_config
 from jaxllm.errors import exit_on_error
-from jaxllm.hf.config import is_hf_dir
+from jaxllm.hf.config import require_hf_dir
 from jaxllm.serve.api import Server, create_app
 from jaxllm.serve.chat import ChatTemplate
 from jaxllm.serve.engine import Request
@@ -104,9 +104,8 @@ def main(argv) -> None:
     sources = [s for s in (WORKDIR.value, CHECKPOINT.value, HF.value) if s is not None]
     if len(sources) != 1:
         raise ConfigError("pass exactly one of --workdir RUN (a training run), --checkpoint EXPORT or --hf DIR")
-    if HF.value is not None and not is_hf_dir(HF.value):
-        raise ConfigError(f"--hf {HF.value}: no Hugging Face config.json (with a model_type) there; pass the "
-                          "directory of a Llama saved by transformers")  # fmt: skip
+    if HF.value is not None:
+        require_hf_dir(HF.value, "--hf")
     path = sources[0]
     overrides = config_flags.get_override_values(flags.FLAGS["config"])
     if QUANTIZE.value:

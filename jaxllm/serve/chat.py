@@ -3,15 +3,19 @@
 `role` and `content`), `add_generation_prompt`, `bos_token`, `eos_token` and
 `raise_exception(message)`.
 
-A model converted from Hugging Face brings its own template (its tokenizer_config.json's). The
-built-in template is a plain transcript, one `role: content` line per message, ending with
-`assistant:` for the model to continue; it suits a model trained on plain text."""
+A model converted from Hugging Face brings its own template (its tokenizer_config.json's), rendered
+as transformers renders it (blocks trimmed, loop controls, `strftime_now`). The built-in template
+is a plain transcript, one `role: content` line per message, ending with `assistant:` for the
+model to continue; it suits a model trained on plain text."""
 
 from __future__ import annotations
 
+import datetime
+import json
 import pathlib
 
 import jinja2
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from jaxllm.config import ConfigError
@@ -27,12 +31,30 @@ def _raise(message: str):
     raise RequestError(message, "invalid_messages", "messages")
 
 
+def _transformers_environment() -> ImmutableSandboxedEnvironment:
+    """Jinja as transformers renders a model's own template: blocks trimmed, loop controls,
+    `strftime_now` and a `tojson` that keeps non-ASCII text (Llama 3.1's template uses them)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.globals["strftime_now"] = lambda format: datetime.datetime.now().strftime(format)
+    return env
+
+
 class ChatTemplate:
     def __init__(
-        self, source: str = BUILTIN, tokens: dict[str, str] | None = None, origin: str = "the built-in chat template"
+        self,
+        source: str = BUILTIN,
+        tokens: dict[str, str] | None = None,
+        origin: str = "the built-in chat template",
+        transformers_style: bool = False,
     ):
-        """`tokens`: the special tokens' text, `bos_token` and `eos_token`."""
-        env = ImmutableSandboxedEnvironment(keep_trailing_newline=True)
+        """`tokens`: the special tokens' text, `bos_token` and `eos_token`. `transformers_style`:
+        render as transformers does (a model's own template), not keeping the source's whitespace."""
+        env = (
+            _transformers_environment()
+            if transformers_style
+            else ImmutableSandboxedEnvironment(keep_trailing_newline=True)
+        )
         try:
             self.template = env.from_string(source)
             self.tokens = tokens or {}
@@ -44,7 +66,7 @@ class ChatTemplate:
     def chosen(cls, path: str | None, own: str | None, tokens: dict[str, str]) -> ChatTemplate:
         """The template in the file at `path`, else the model's `own` (its tokenizer's), else the built-in one."""
         if path is None:
-            return cls(tokens=tokens) if own is None else cls(own, tokens, "the tokenizer's chat template")
+            return cls(tokens=tokens) if own is None else cls(own, tokens, "the tokenizer's chat template", True)
         file = pathlib.Path(path)
         if not file.is_file():
             raise ConfigError(f"--chat-template {path}: no such file; give a Jinja template")

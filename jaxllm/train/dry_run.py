@@ -57,6 +57,8 @@ BATCH_DTYPES = {"inputs": "int32", "targets": "int32", "segment_ids": "int32", "
 
 def lower_abstract_step(cfg: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> jax.stages.Lowered:
     """The train step lowered for `mesh` from shapes alone: nothing is allocated."""
+    cfg = cfg.copy_and_resolve_references()
+    cfg.init.hf = None  # the state has the same shapes whatever it starts from; read no weights
     t = cfg.train
     with jax.set_mesh(mesh):
         run = build_run(cfg, mesh)

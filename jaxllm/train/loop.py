@@ -240,12 +240,13 @@ class Loop:
     def sample(self) -> str:
         """The end-of-training sample, from the plain stack over the canonical group order."""
         t, model = self.run.cfg.train, self.run.cfg.model
-        prompt = self.data.tokenizer.encode(t.sample_prompt)
+        tokenizer = self.data.tokenizer
+        prompt = [*tokenizer.prompt_prefix, *tokenizer.encode(t.sample_prompt)]
         length = min(len(prompt) + t.sample_tokens, model.max_seq_len)
         params = to_canonical(self.state["params"], self.run.schedule)
         sampling = Sampling.one(t.sample_temperature, t.sample_top_k, t.sample_top_p, seed=t.seed)
-        tokens = generate(params, model, prompt, length, sampling, self.data.tokenizer.vocab_size)
-        return self.data.tokenizer.decode(tokens)
+        tokens = generate(params, model, prompt, length, sampling, tokenizer.vocab_size)
+        return tokenizer.decode(tokens[len(tokenizer.prompt_prefix) :])
 
     def close(self) -> None:
         self.bar.close()
