@@ -68,7 +68,7 @@ def step_flops(cfg) -> float:
     mesh = make_mesh(cfg.parallel)
     with jax.set_mesh(mesh):
         run = build_run(cfg, mesh)
-        state = jax.eval_shape(lambda: init_state(run))
+        state = run.state
         shape = (cfg.train.batch_size, cfg.train.seq_len)
         batch = {k: jax.ShapeDtypeStruct(shape, np.int32) for k in ("inputs", "targets")}
         jaxpr = jax.make_jaxpr(lambda s, b: train_step(s, b, run))(state, batch)

@@ -43,7 +43,7 @@ from jaxllm.serve.load import load_engine, serving_setup
 from jaxllm.train.dry_run import peak_bytes
 from jaxllm.train.loop import train
 from jaxllm.train.run import batch_sharding, build_run
-from jaxllm.train.step import compile_train_step, init_state
+from jaxllm.train.step import compile_train_step
 
 TRAINING = {
     "fp32": {"model.dtype": "float32"},
@@ -86,7 +86,7 @@ def train_step_footprint(cfg) -> tuple[int, int]:
     mesh = make_mesh(cfg.parallel)
     with jax.set_mesh(mesh):
         run = build_run(cfg, mesh)
-        state = jax.eval_shape(lambda: init_state(run))
+        state = run.state
         t = cfg.train
         batch = {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), np.int32, sharding=batch_sharding(mesh))
                  for k in ("inputs", "targets")}  # fmt: skip

@@ -73,7 +73,7 @@ def compile_seconds(cfg, mesh, groups: int) -> float:
     cfg.model.num_layers = groups * cfg.model.qkv_share_every
     with jax.set_mesh(mesh):
         run = build_run(cfg, mesh)
-        state = jax.eval_shape(lambda: init_state(run))
+        state = run.state
         batch = jax.eval_shape(lambda: _batch(cfg, 0))
         start = time.perf_counter()
         compile_train_step(run).lower(state, batch).compile()

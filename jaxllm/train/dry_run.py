@@ -27,7 +27,7 @@ from jaxllm.parallel.mesh import describe, make_mesh
 from jaxllm.plan.comm import by_kind, communication
 from jaxllm.plan.hlo import collective_bytes
 from jaxllm.train.run import build_run
-from jaxllm.train.step import compile_train_step, init_state
+from jaxllm.train.step import compile_train_step
 
 DEVICES_ENV = "JAXLLM_DRY_RUN_DEVICES"
 AS_ON_GPU = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}  # see the module's doc
@@ -56,18 +56,15 @@ BATCH_DTYPES = {"inputs": "int32", "targets": "int32", "segment_ids": "int32", "
 
 
 def lower_abstract_step(cfg: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> jax.stages.Lowered:
-    """The train step lowered for `mesh` from shapes alone: nothing is allocated."""
-    cfg = cfg.copy_and_resolve_references()
-    cfg.init.hf = None  # the state has the same shapes whatever it starts from; read no weights
+    """The train step lowered for `mesh` from shapes alone: nothing is allocated or read."""
     t = cfg.train
     with jax.set_mesh(mesh):
         run = build_run(cfg, mesh)
-        state = jax.eval_shape(lambda: init_state(run))
         batch = {
             k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), dtype, sharding=run.batch_sharding)
             for k, dtype in BATCH_DTYPES.items()
         }
-        return compile_train_step(run).lower(state, batch)
+        return compile_train_step(run).lower(run.state, batch)
 
 
 def peak_bytes(mem) -> int:

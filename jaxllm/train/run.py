@@ -33,7 +33,7 @@ class Run:
     mesh: Mesh
     schedule: Schedule | None
     optimizer: optax.GradientTransformation
-    shardings: State  # of the train state, in the run's own (pipeline) view
+    state: State  # the train state's shapes, dtypes and shardings, in the run's own (pipeline) view
     # Of gradients summed over microsteps: as the optimizer moments lie (with ZeRO-1, split over
     # `data` too: each microstep's gradients are reduce-scattered into them, never all-reduced).
     grad_shardings: dict
@@ -41,6 +41,10 @@ class Run:
     # The state as checkpoints hold it: canonical group order, each array split over the same
     # devices as in training (a pipeline's groups over `stage`), so a restore needs no more memory.
     canonical: State
+
+    @property
+    def shardings(self) -> State:
+        return jax.tree.map(lambda s: s.sharding, self.state)
 
     def checkpointer(self, workdir: str | pathlib.Path) -> Checkpointer:
         return Checkpointer(workdir, self.cfg, self.mesh, self.canonical, self.shardings)
@@ -68,7 +72,7 @@ def build_run(cfg: ml_collections.ConfigDict, mesh: Mesh) -> Run:
         mesh=mesh,
         schedule=schedule,
         optimizer=optimizer,
-        shardings=jax.tree.map(lambda s: s.sharding, own),
+        state=own,
         grad_shardings=_moment_shardings(specs, mesh, p.zero1, RULES),
         batch_sharding=batch_sharding(mesh),
         canonical=canonical,
