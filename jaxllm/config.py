@@ -218,18 +218,18 @@ def mesh_shape(parallel: ml_collections.ConfigDict, num_devices: int) -> tuple[i
     return tuple(sizes)
 
 
-def _require(ok: bool, message: str) -> None:
+def require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
 
 
 def _validate_pipeline(m: ml_collections.ConfigDict, p: ml_collections.ConfigDict, stage: int) -> None:
-    _require(p.stage != -1, "parallel.stage=-1: the stage count shapes the parameters, so set it explicitly")
-    _require(p.microbatches >= 1 and p.repeats >= 1, "parallel.microbatches and parallel.repeats must be >= 1")
+    require(p.stage != -1, "parallel.stage=-1: the stage count shapes the parameters, so set it explicitly")
+    require(p.microbatches >= 1 and p.repeats >= 1, "parallel.microbatches and parallel.repeats must be >= 1")
     if stage == 1:
-        _require(p.repeats == 1, f"parallel.repeats={p.repeats} needs a pipeline; set parallel.stage > 1 or repeats=1")
+        require(p.repeats == 1, f"parallel.repeats={p.repeats} needs a pipeline; set parallel.stage > 1 or repeats=1")
         return
-    _require(
+    require(
         p.microbatches >= stage,
         f"parallel.microbatches={p.microbatches} < parallel.stage={stage}: a pipeline needs at least one "
         f"microbatch per stage; set microbatches >= {stage} (more shrink the bubble)",
@@ -247,32 +247,32 @@ def _validate_pipeline(m: ml_collections.ConfigDict, p: ml_collections.ConfigDic
 
 def _validate_attention(cfg: ml_collections.ConfigDict, backend: str | None) -> None:
     m, impl = cfg.model, cfg.model.attention
-    _require(impl in ATTENTION, f"model.attention={impl!r} is unknown; use one of {ATTENTION}")
+    require(impl in ATTENTION, f"model.attention={impl!r} is unknown; use one of {ATTENTION}")
     if impl == "xla":
         return
     fix = "or set model.attention='xla'"
-    _require(
+    require(
         backend in (None, "gpu"),
         f"model.attention={impl!r} is a GPU kernel and this machine's JAX backend is {backend!r}; "
         "set model.attention='xla' here",
     )
     head_dim = sizes(m).head_dim
     if impl == "cudnn":
-        _require(
+        require(
             m.dtype in ("bfloat16", "float16"),
             f"model.attention='cudnn' has no {m.dtype} kernel; set model.dtype='bfloat16' {fix}",
         )
-        _require(
+        require(
             head_dim <= 128 and head_dim % 8 == 0,
             f"model.attention='cudnn' needs a head dim that is a multiple of 8 and at most 128, got {head_dim}; {fix}",
         )
     else:
-        _require(
+        require(
             sizes(m).kv_heads == m.num_heads,
             f"model.attention='pallas' has no grouped-query attention (model.num_kv_heads={m.num_kv_heads} < "
             f"model.num_heads={m.num_heads}); use model.attention='cudnn' {fix}",
         )
-        _require(
+        require(
             cfg.train.seq_len % 128 == 0,
             f"model.attention='pallas' works in blocks of 128 positions and train.seq_len={cfg.train.seq_len} "
             f"is not a multiple of 128; use a multiple of 128 {fix}",
@@ -280,12 +280,12 @@ def _validate_attention(cfg: ml_collections.ConfigDict, backend: str | None) -> 
 
 
 def _validate_rope(scaling: ml_collections.ConfigDict) -> None:
-    _require(
+    require(
         scaling.type in ROPE_SCALINGS,
         f"model.rope_scaling.type={scaling.type!r} is unknown; use one of {ROPE_SCALINGS}",
     )
-    _require(scaling.factor >= 1, f"model.rope_scaling.factor={scaling.factor} must be at least 1")
-    _require(
+    require(scaling.factor >= 1, f"model.rope_scaling.factor={scaling.factor} must be at least 1")
+    require(
         scaling.type != "llama3" or scaling.high_freq_factor > scaling.low_freq_factor,
         f"model.rope_scaling.high_freq_factor={scaling.high_freq_factor} must exceed low_freq_factor="
         f"{scaling.low_freq_factor}: between them the llama3 scaling ramps from scaled to unscaled",
@@ -294,25 +294,25 @@ def _validate_rope(scaling: ml_collections.ConfigDict) -> None:
 
 def _validate_fp8(m: ml_collections.ConfigDict) -> None:
     reduce = m.fp8.amax_reduce
-    _require(reduce in FP8_AMAX_REDUCE, f"model.fp8.amax_reduce={reduce!r} is unknown; use one of {FP8_AMAX_REDUCE}")
+    require(reduce in FP8_AMAX_REDUCE, f"model.fp8.amax_reduce={reduce!r} is unknown; use one of {FP8_AMAX_REDUCE}")
     if not m.fp8.enabled:
         return
     for field, value in (("model.hidden", m.hidden), ("model.mlp", m.mlp), ("head dim", sizes(m).head_dim)):
-        _require(
+        require(
             value % 16 == 0,
             f"{field}={value} is not a multiple of 16, which FP8 GEMMs (cuBLASLt) need with model.fp8.enabled; "
             "use a multiple of 16 or set model.fp8.enabled=False",
         )
 
 
-def _validate_tensor(m: ml_collections.ConfigDict, tensor: int, field_name: str) -> None:
+def validate_tensor(m: ml_collections.ConfigDict, tensor: int, field_name: str) -> None:
     for field, value in (
         ("model.num_heads", m.num_heads),
         ("model.num_kv_heads", sizes(m).kv_heads),
         ("model.mlp", m.mlp),
         ("padded vocab (model.vocab_size rounded up to model.vocab_pad_multiple)", sizes(m).padded_vocab),
     ):
-        _require(
+        require(
             value % tensor == 0,
             f"{field}={value} is not divisible by {field_name}={tensor}; choose a tensor size that divides {value}",
         )
@@ -322,32 +322,32 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, backend: str | No
     """Checks the whole config before any work; returns the resolved mesh shape. With `backend`
     (JAX's, e.g. 'gpu'), also whether it can run the chosen kernels."""
     m, p, t, c = cfg.model, cfg.parallel, cfg.train, cfg.checkpoint
-    _require(m.norm in NORMS, f"model.norm={m.norm!r} is unknown; use one of {NORMS}")
-    _require(
+    require(m.norm in NORMS, f"model.norm={m.norm!r} is unknown; use one of {NORMS}")
+    require(
         m.mlp_activation in MLP_ACTIVATIONS,
         f"model.mlp_activation={m.mlp_activation!r} is unknown; use one of {MLP_ACTIVATIONS}",
     )
     _validate_attention(cfg, backend)
     _validate_rope(m.rope_scaling)
-    _require(m.remat in REMAT_POLICIES, f"model.remat={m.remat!r} is unknown; use one of {REMAT_POLICIES}")
+    require(m.remat in REMAT_POLICIES, f"model.remat={m.remat!r} is unknown; use one of {REMAT_POLICIES}")
     _validate_fp8(m)
-    _require(
+    require(
         m.quantize is None,
         f"model.quantize={m.quantize!r} holds int8 weights, which serve but do not train; train in full "
         "precision and serve with --quantize int8 (or export with --quantize int8)",
     )
-    _require(
+    require(
         m.qkv_share_every >= 1 and m.num_layers % m.qkv_share_every == 0,
         f"model.num_layers={m.num_layers} is not divisible by model.qkv_share_every={m.qkv_share_every}; "
         f"use a multiple of {m.qkv_share_every} layers or another qkv_share_every",
     )
     kv = sizes(m).kv_heads
-    _require(
+    require(
         m.num_heads % kv == 0,
         f"model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads={kv}; "
         "each kv head must serve a whole number of query heads",
     )
-    _require(
+    require(
         m.head_dim is not None or m.hidden % m.num_heads == 0,
         f"model.hidden={m.hidden} is not divisible by model.num_heads={m.num_heads}; set model.head_dim explicitly",
     )
@@ -358,20 +358,20 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, backend: str | No
         ("data.eval_batches", cfg.data.eval_batches), ("model.vocab_pad_multiple", m.vocab_pad_multiple),
         ("checkpoint.keep", c.keep), ("checkpoint.max_bad_steps", c.max_bad_steps),
     ):  # fmt: skip
-        _require(value >= 1, f"{field}={value} must be at least 1")
+        require(value >= 1, f"{field}={value} must be at least 1")
     for field, value in (
         ("checkpoint.every_steps", c.every_steps), ("checkpoint.every_minutes", c.every_minutes),
         ("checkpoint.keep_every", c.keep_every),
     ):  # fmt: skip
-        _require(value >= 0, f"{field}={value} must be at least 0 (0 turns it off)")
-    _require(
+        require(value >= 0, f"{field}={value} must be at least 0 (0 turns it off)")
+    require(
         cfg.data.tokenizer != "bpe" or cfg.data.bpe_vocab_size <= m.vocab_size,
         f"data.bpe_vocab_size={cfg.data.bpe_vocab_size} exceeds model.vocab_size={m.vocab_size}: the trained "
         f"tokenizer's ids must fit the embedding; set model.vocab_size={cfg.data.bpe_vocab_size} or a smaller "
         "data.bpe_vocab_size",
     )
-    _require(bool(t.sample_prompt), "train.sample_prompt is empty; give the end-of-training sample a prompt")
-    _require(
+    require(bool(t.sample_prompt), "train.sample_prompt is empty; give the end-of-training sample a prompt")
+    require(
         t.sample_temperature >= 0 and t.sample_top_k >= 0 and 0 < t.sample_top_p <= 1,
         f"train.sample_temperature={t.sample_temperature}, sample_top_k={t.sample_top_k}, "
         f"sample_top_p={t.sample_top_p}: use a temperature >= 0 (0 = greedy), top_k >= 0 (0 = all) "
@@ -379,19 +379,19 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, backend: str | No
     )
     shape = mesh_shape(p, num_devices)
     data, fsdp, stage, tensor = shape
-    _validate_tensor(m, tensor, "parallel.tensor")
-    _require(
+    validate_tensor(m, tensor, "parallel.tensor")
+    require(
         m.hidden % fsdp == 0,
         f"model.hidden={m.hidden} is not divisible by parallel.fsdp={fsdp}; choose an fsdp size that divides it",
     )
     _validate_pipeline(m, p, stage)
     per_step = data * fsdp * t.grad_accum_steps * p.microbatches
-    _require(
+    require(
         t.batch_size % per_step == 0,
         f"train.batch_size={t.batch_size} is not divisible by data*fsdp*grad_accum_steps*microbatches="
         f"{data}*{fsdp}*{t.grad_accum_steps}*{p.microbatches}={per_step}; use a multiple of {per_step}",
     )
-    _require(
+    require(
         t.seq_len <= m.max_seq_len,
         f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
         "lower train.seq_len or raise model.max_seq_len",
@@ -400,54 +400,5 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, backend: str | No
         split, why = tensor * stage, f"parallel.tensor×stage={tensor}×{stage}: sequence parallelism splits it"
     else:
         split, why = stage, f"parallel.stage={stage}: the head and loss after a pipeline split it over the stages"
-    _require(t.seq_len % split == 0, f"train.seq_len={t.seq_len} is not divisible by {why}; use a multiple of {split}")
+    require(t.seq_len % split == 0, f"train.seq_len={t.seq_len} is not divisible by {why}; use a multiple of {split}")
     return shape
-
-
-SERVE_DTYPES = ("float32", "bfloat16", "float16")
-KV_DTYPES = (*SERVE_DTYPES, "int8")
-
-
-def serving_config(cfg: ml_collections.ConfigDict, local_devices: int) -> ml_collections.ConfigDict:
-    """A checkpoint's config made ready to serve: `serve.*` checked and resolved, the model set to
-    compute in the serving dtype with plain XLA attention, no remat and no FP8 (a per-tensor scale
-    over a batch of slots would make each request's output depend on the others'), and the mesh a
-    `tensor` axis over local devices (no pipeline: the KV cache needs the plain stack)."""
-    cfg = cfg.copy_and_resolve_references()
-    m, s = cfg.model, cfg.serve
-    s.max_len = s.max_len or m.max_seq_len
-    s.dtype = s.dtype or m.dtype
-    s.kv_dtype = s.kv_dtype or s.dtype
-    if s.tensor == -1:  # the most local devices that split every tensor-parallel dimension evenly
-        split = (m.num_heads, sizes(m).kv_heads, m.mlp, sizes(m).padded_vocab)
-        s.tensor = max(n for n in range(1, local_devices + 1) if all(dim % n == 0 for dim in split))
-    _require(s.slots >= 1, f"serve.slots={s.slots} must be at least 1")
-    _require(
-        2 <= s.max_len <= m.max_seq_len,
-        f"serve.max_len={s.max_len} must be between 2 and model.max_seq_len={m.max_seq_len} (the longest "
-        "context the model was built for); lower serve.max_len or raise model.max_seq_len",
-    )
-    _require(s.max_prompt_tokens >= 1, f"serve.max_prompt_tokens={s.max_prompt_tokens} must be at least 1")
-    _require(0 < s.port < 65536, f"serve.port={s.port} must be in 1..65535")
-    _require(s.max_body_bytes >= 1, f"serve.max_body_bytes={s.max_body_bytes} must be at least 1")
-    _require(s.rate_per_s > 0, f"serve.rate_per_s={s.rate_per_s} must be above 0 (requests per second per key)")
-    _require(s.burst >= 1, f"serve.burst={s.burst} must be at least 1")
-    _require(s.max_queue >= 0, f"serve.max_queue={s.max_queue} must be at least 0")
-    _require(
-        s.ppl_alarm is None or s.ppl_alarm > 1,
-        f"serve.ppl_alarm={s.ppl_alarm} must be above 1 (a perplexity), or None to turn the alarm off",
-    )
-    _require(not s.ppl_reject or s.ppl_alarm is not None, "serve.ppl_reject needs serve.ppl_alarm, the threshold")
-    s.prompt_nll = s.prompt_nll or s.ppl_alarm is not None  # the alarm reads the prompt's log-probs
-    _require(s.dtype in SERVE_DTYPES, f"serve.dtype={s.dtype!r} is unknown; use one of {SERVE_DTYPES}")
-    _require(s.kv_dtype in KV_DTYPES, f"serve.kv_dtype={s.kv_dtype!r} is unknown; use one of {KV_DTYPES}")
-    _require(m.quantize in QUANTIZE, f"model.quantize={m.quantize!r} is unknown; use one of {QUANTIZE}")
-    _require(
-        1 <= s.tensor <= local_devices,
-        f"serve.tensor={s.tensor}: this host has {local_devices} devices; use 1 to {local_devices} (-1: all)",
-    )
-    _validate_tensor(m, s.tensor, "serve.tensor")
-    m.update(dtype=s.dtype, attention="xla", remat="none")
-    m.fp8.enabled = False
-    cfg.parallel.update(data=1, fsdp=1, stage=1, tensor=s.tensor, microbatches=1, repeats=1, sequence_parallel=False)
-    return cfg

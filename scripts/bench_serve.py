@@ -36,7 +36,7 @@ import numpy as np
 import uvicorn
 
 from jaxllm import plan
-from jaxllm.config import apply_overrides, base_config, serving_config
+from jaxllm.config import apply_overrides, base_config
 from jaxllm.data.tokenizer import get_tokenizer
 from jaxllm.model.decoder import forward
 from jaxllm.parallel.mesh import make_mesh
@@ -45,6 +45,7 @@ from jaxllm.serve.chat import ChatTemplate
 from jaxllm.serve.engine import Engine, Request
 from jaxllm.serve.guards import DenyList
 from jaxllm.serve.metrics import Metrics
+from jaxllm.serve.settings import serving_config
 from jaxllm.train.step import init_params
 
 

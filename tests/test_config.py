@@ -3,7 +3,8 @@
 import pytest
 from conftest import small_config
 
-from jaxllm.config import ConfigError, apply_overrides, base_config, load_config, mesh_shape, serving_config, validate
+from jaxllm.config import ConfigError, apply_overrides, base_config, load_config, mesh_shape, validate
+from jaxllm.serve.settings import serving_config
 
 CASES = {
     "layers vs qkv sharing": (

@@ -179,7 +179,7 @@ class Generation:
 
 
 class Engine:
-    """Serves `params` (in `mesh`'s shardings) of the model in `cfg` (see `config.serving_config`)."""
+    """Serves `params` (in `mesh`'s shardings) of the model in `cfg` (see `serve.settings.serving_config`)."""
 
     def __init__(self, params: dict, cfg: ml_collections.ConfigDict, tokenizer: Tokenizer, mesh: Mesh):
         self.params, self.cfg, self.tokenizer, self.mesh = params, cfg, tokenizer, mesh

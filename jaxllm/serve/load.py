@@ -12,11 +12,12 @@ import jax
 import ml_collections
 
 from jaxllm.checkpoint import load_params, stored_config
-from jaxllm.config import ConfigError, apply_overrides, serving_config
+from jaxllm.config import ConfigError, apply_overrides
 from jaxllm.data.tokenizer import Tokenizer, get_tokenizer, load_saved_tokenizer
 from jaxllm.hf.config import is_hf_dir
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.serve.engine import Engine
+from jaxllm.serve.settings import serving_config
 
 
 def serving_setup(
