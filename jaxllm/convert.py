@@ -66,15 +66,16 @@ def to_hf(
     model = stored_config(checkpoint).model
     check_llama(model, expand_shared_qkv)  # before reading any weights
     saved_tokenizer = load_saved_tokenizer(checkpoint / "tokenizer", tokenizer)
-    mesh = _local_fsdp_mesh()
-    cfg, _, step = load_params(checkpoint, mesh, only=("final_norm", "scale"))  # the step to read
+    mesh, read = _local_fsdp_mesh(), {}
 
-    def parameter(path: tuple[str, ...]):  # read one at a time: host memory holds one, not the model
-        return at_path(load_params(checkpoint, mesh, step=step if step >= 0 else None, only=path)[1], path)
+    def parameter(path: tuple[str, ...]):  # one at a time: host memory holds one, not the model
+        # Every parameter from the step the first one came from (a run's latest readable checkpoint).
+        _, params, read["step"] = load_params(checkpoint, mesh, step=read.get("step"), only=path)
+        return at_path(params, path)
 
-    dtype = dtype or cfg.model.param_dtype
-    files = write_hf(out, cfg.model, parameter, saved_tokenizer, dtype, max_shard_bytes)
-    print(f"to-hf: step {step} of {checkpoint} → {out.absolute()}: {len(files)} safetensors file(s) in {dtype}")
+    dtype = dtype or model.param_dtype
+    files = write_hf(out, model, parameter, saved_tokenizer, dtype, max_shard_bytes)
+    print(f"to-hf: step {read['step']} of {checkpoint} → {out.absolute()}: {len(files)} safetensors file(s) in {dtype}")
     if model.qkv_share_every > 1:
         print(f"to-hf: --expand-shared-qkv wrote each of the {sizes(model).groups} shared q/k/v into the "
               f"{model.qkv_share_every} layers of its group: an exact Llama with "

@@ -195,6 +195,11 @@ def get_tokenizer(name_or_path: str | pathlib.Path) -> Tokenizer:
     return HFTokenizer(name_or_path)
 
 
+def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """`text` as the model's tokenizer starts a prompt: its `prompt_prefix` (a Llama's bos), then the text."""
+    return [*tokenizer.prompt_prefix, *tokenizer.encode(text)]
+
+
 RECORD = "fingerprint.json"
 
 

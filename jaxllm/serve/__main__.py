@@ -13,6 +13,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from jaxllm.config import ConfigError, base_config
+from jaxllm.data.tokenizer import prompt_ids
 from jaxllm.errors import exit_on_error
 from jaxllm.hf.config import require_hf_dir
 from jaxllm.serve.api import Server, create_app
@@ -46,8 +47,7 @@ SEED = flags.DEFINE_integer("seed", 0, "With --prompt: the sampling seed.")
 def complete_prompts(path: str, cfg, tokenizer) -> None:
     engine = start_engine(path, cfg, tokenizer)
     requests = [
-        Request([*tokenizer.prompt_prefix, *tokenizer.encode(p)], MAX_TOKENS.value, TEMPERATURE.value, seed=SEED.value)
-        for p in PROMPT.value
+        Request(prompt_ids(tokenizer, p), MAX_TOKENS.value, TEMPERATURE.value, seed=SEED.value) for p in PROMPT.value
     ]
     for generation, prompt in zip(engine.generate(requests), PROMPT.value, strict=True):
         choice = generation.choices()[0]

@@ -21,7 +21,7 @@ from jaxllm.checkpoint.layout import to_canonical
 from jaxllm.config import validate
 from jaxllm.data.dataset import prepare_data
 from jaxllm.data.loader import eval_batches, train_batches
-from jaxllm.data.tokenizer import save_tokenizer
+from jaxllm.data.tokenizer import prompt_ids, save_tokenizer
 from jaxllm.model.generate import generate
 from jaxllm.model.sampling import Sampling
 from jaxllm.parallel.mesh import describe, make_mesh
@@ -241,7 +241,7 @@ class Loop:
         """The end-of-training sample, from the plain stack over the canonical group order."""
         t, model = self.run.cfg.train, self.run.cfg.model
         tokenizer = self.data.tokenizer
-        prompt = [*tokenizer.prompt_prefix, *tokenizer.encode(t.sample_prompt)]
+        prompt = prompt_ids(tokenizer, t.sample_prompt)
         length = min(len(prompt) + t.sample_tokens, model.max_seq_len)
         params = to_canonical(self.state["params"], self.run.schedule)
         sampling = Sampling.one(t.sample_temperature, t.sample_top_k, t.sample_top_p, seed=t.seed)
