@@ -128,6 +128,9 @@ def base_config() -> ml_collections.ConfigDict:
         rate_per_s=10.0,  # each API key's (or, without keys, each client address's) request rate...
         burst=40,  # ...and the burst it may spend at once; beyond: 429
         max_queue=64,  # requests waiting for a slot; beyond: 503
+        request_timeout_s=600.0,  # a request still unfinished this long after it arrived ends with an error
+        body_timeout_s=30.0,  # a request body still arriving after this long: 408
+        max_engine_restarts=3,  # failed decode steps in a row the engine recovers from; one more stops it
         ppl_alarm=placeholder(float),  # prompt perplexity (whole, or any 32-token window) to flag; None: off
         ppl_reject=False,  # refuse flagged prompts (400) instead of only counting and logging them
     )

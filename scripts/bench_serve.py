@@ -40,11 +40,13 @@ from jaxllm.config import apply_overrides, base_config
 from jaxllm.data.tokenizer import get_tokenizer
 from jaxllm.model.decoder import forward
 from jaxllm.parallel.mesh import make_mesh
-from jaxllm.serve.api import Server, create_app
+from jaxllm.serve.api import create_app
 from jaxllm.serve.chat import ChatTemplate
-from jaxllm.serve.engine import Engine, Request
+from jaxllm.serve.engine import Engine
+from jaxllm.serve.generation import Request
 from jaxllm.serve.guards import DenyList
 from jaxllm.serve.metrics import Metrics
+from jaxllm.serve.server import Server
 from jaxllm.serve.settings import serving_config
 from jaxllm.train.step import init_params
 
@@ -106,8 +108,8 @@ def http_rates(engine: Engine, prompts: np.ndarray, new: int, rounds: int) -> di
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     metrics = Metrics(engine.slots)
-    server = Server(engine.cfg.serve, "bench", engine.tokenizer, ChatTemplate(), DenyList([]), frozenset(), metrics)
-    server.engine = engine
+    server = Server(engine.cfg.serve, engine.limits, "bench", engine.tokenizer, ChatTemplate(), DenyList([]),
+                    frozenset(), metrics, engine)  # fmt: skip
     http = uvicorn.Server(uvicorn.Config(create_app(server), "127.0.0.1", port, log_level="warning"))
     stop = threading.Event()
     threads = [threading.Thread(target=http.run), threading.Thread(target=engine.serve_forever, args=(stop,))]

@@ -14,6 +14,7 @@ os.environ["XLA_FLAGS"] = (
 )
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 from jaxllm.config import base_config  # noqa: E402
 
@@ -110,3 +111,34 @@ def checkpoint_params(workdir, step: int) -> dict:
 
 def metrics(workdir) -> list[dict]:
     return [json.loads(line) for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """Two steps of a 2-stage pipeline (data 4) with a real BPE, checkpointed as a run does: a
+    model for serving tests, trained from any layout."""
+    import numpy as np
+
+    from jaxllm.data.corpus import read_documents, resolve_inputs
+    from jaxllm.data.tokenizer import get_tokenizer, save_tokenizer, train_bpe
+    from jaxllm.parallel.mesh import make_mesh
+    from jaxllm.train.run import batch_sharding, build_run
+    from jaxllm.train.step import compile_train_step, init_state
+
+    workdir = tmp_path_factory.mktemp("run")
+    texts = (text for f in resolve_inputs([stdlib_glob("json")]) for _, text in read_documents(f))
+    tokenizer = get_tokenizer(train_bpe(texts, 300, workdir / "bpe"))
+    save_tokenizer(tokenizer, workdir / "tokenizer")
+    cfg = small_config(vocab_size=300)
+    cfg.parallel.update(stage=2, microbatches=2, data=4)
+    mesh = make_mesh(cfg.parallel)
+    with jax.set_mesh(mesh):
+        run = build_run(cfg, mesh)
+        state, step = init_state(run), compile_train_step(run)
+        for i in range(2):
+            w = np.random.default_rng(i).integers(0, 300, (cfg.train.batch_size, cfg.train.seq_len + 1), np.int32)
+            state, _ = step(state, jax.device_put({"inputs": w[:, :-1], "targets": w[:, 1:]}, batch_sharding(mesh)))
+        checkpoints = run.checkpointer(workdir)
+        checkpoints.save(2, state, {})
+        checkpoints.close()
+    return workdir, cfg.model, tokenizer

@@ -18,7 +18,7 @@ import numpy as np
 import openai
 import pytest
 from conftest import ROOT, checkpoint_params, device_env, run, train_command
-from prometheus_client.parser import text_string_to_metric_families
+from serving import metric_values, wait_for
 
 from jaxllm.checkpoint import load_params, stored_config
 from jaxllm.data.tokenizer import load_saved_tokenizer
@@ -40,11 +40,11 @@ PROMPTS = ["import json\n", "class Parser:\n    def", "def main():\n    ", "    
 class Client:
     """Raw HTTP to the server, for what the openai client would refuse to send."""
 
-    def __init__(self, port: int):
-        self.port = port
+    def __init__(self, port: int, source: str = "127.0.0.1"):
+        self.port, self.source = port, source
 
     def request(self, method, path, body=b"", key=KEY, headers=None):
-        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120, source_address=(self.source, 0))
         headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {}),
                    **(headers or {})}  # fmt: skip
         body = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -61,16 +61,7 @@ class Client:
         return self.request("POST", "/v1/completions", {"model": "tiny", **body}, **kwargs)
 
     def metrics(self) -> dict[str, float]:
-        text = self.request("GET", "/metrics")[1].decode()
-        samples = (s for family in text_string_to_metric_families(text) for s in family.samples)
-        return {s.name + "".join(f"[{v}]" for v in s.labels.values()): s.value for s in samples}
-
-
-def wait_for(condition, timeout=60.0):
-    deadline = time.time() + timeout
-    while not condition():
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.05)
+        return metric_values(self.request("GET", "/metrics")[1].decode())
 
 
 @contextlib.contextmanager
@@ -323,16 +314,45 @@ GUARDS = [
      "invalid_value", "invalid"),
     ("lone surrogate", "POST", "/v1/completions", b'{"model": "tiny", "prompt": "a\\ud800"}', KEY, 422,
      "lone surrogate", "invalid_value", "invalid"),
-    ("id out of vocab", "POST", "/v1/completions", {"model": "tiny", "prompt": [5, 512]}, KEY, 422, r"\[0, 512\)",
+    ("id out of vocab", "POST", "/v1/completions", {"model": "tiny", "prompt": [5, 512]}, KEY, 422,
+     r"^prompt.1: .* less than 512 \(.*ids below the vocabulary's size\)",
      "invalid_value", "invalid"),
-    ("negative id", "POST", "/v1/completions", {"model": "tiny", "prompt": [-1]}, KEY, 422, r"\[0, 512\)",
+    ("negative id", "POST", "/v1/completions", {"model": "tiny", "prompt": [-1]}, KEY, 422,
+     "^prompt.0: .* greater than or equal to 0",
      "invalid_value", "invalid"),
     ("huge n", "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "n": 10**12}, KEY, 422,
-     r"n=1000000000000 .*8 slots", "invalid_value", "invalid"),
+     r"^n: .* less than or equal to 8 \(serve.slots\)", "invalid_value", "invalid"),
+    ("huge top_k", "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "top_k": 1099511627776}, KEY, 422,
+     r"^top_k: .* less than or equal to 512 \(the vocabulary's size\)", "invalid_value", "invalid"),
+    ("n past int64", "POST", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+     "n": 2**70}, KEY, 422, "^n: ", "invalid_value", "invalid"),
+    ("seed past uint32", "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "seed": 2**32}, KEY, 422,
+     r"^seed: .* less than 4294967296 \(2\*\*32\)", "invalid_value", "invalid"),
+    ("negative seed", "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "seed": -1}, KEY, 422,
+     "^seed: .* greater than or equal to 0", "invalid_value", "invalid"),
+    ("infinity", "POST", "/v1/completions", b'{"model": "tiny", "prompt": "x", "top_p": 1e999}', KEY, 422,
+     "^top_p: .*finite", "invalid_value", "invalid"),
+    ("5000-digit int", "POST", "/v1/completions", b'{"model": "tiny", "prompt": "x", "n": 1' + b"0" * 5000 + b"}",
+     KEY, 400, "not JSON", "invalid_json", "bad_json"),
     ("huge max_tokens", "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 10**12}, KEY,
-     422, rf"1000000000000.*{MAX_PROMPT}.*{MAX_LEN}", "context_length_exceeded", "context_length"),
-    ("long prompt", "POST", "/v1/completions", {"model": "tiny", "prompt": [7] * 200, "max_tokens": 3}, KEY, 422,
-     rf"200 tokens and max_tokens is 3.*{MAX_PROMPT}.*{MAX_LEN}", "context_length_exceeded", "context_length"),
+     422, rf"^max_tokens: .*{MAX_LEN - 1} \(serve.max_len less one\)", "invalid_value", "invalid"),
+    ("long id prompt", "POST", "/v1/completions", {"model": "tiny", "prompt": [7] * 200, "max_tokens": 3}, KEY, 422,
+     rf"^prompt: .*at most {MAX_PROMPT} items.*serve.max_prompt_tokens", "invalid_value", "invalid"),
+    ("over the context", "POST", "/v1/completions", {"model": "tiny", "prompt": [7] * 100, "max_tokens": 200}, KEY,
+     422, rf"100 tokens and max_tokens is 200.*{MAX_PROMPT}.*{MAX_LEN}", "context_length_exceeded",
+     "context_length"),
+    ("long text prompt", "POST", "/v1/completions", {"model": "tiny", "prompt": "words " * 1000}, KEY, 422,
+     rf"at most {MAX_PROMPT} tokens", "context_length_exceeded", "context_length"),
+    ("1 MB prompt", "POST", "/v1/completions", {"model": "tiny", "prompt": "a" * 1_000_000}, KEY, 422,
+     rf"at most {MAX_PROMPT} tokens", "context_length_exceeded", "context_length"),
+    ("1 MB model name", "POST", "/v1/completions", {"model": "m" * 1_000_000, "prompt": "x"}, KEY, 404,
+     "^model 'm{64}…' is not served", "model_not_found", "unknown_model"),
+    ("too many prompts", "POST", "/v1/completions", {"model": "tiny", "prompt": ["x"] * 9}, KEY, 422,
+     r"^prompt: .*at most 8 items", "invalid_value", "invalid"),
+    ("too many stops", "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "stop": list("abcde")}, KEY, 422,
+     r"^stop: .*at most 4 items", "invalid_value", "invalid"),
+    ("surrogate stop", "POST", "/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content":'
+     b' "x"}], "stop": ["\\udfff"]}', KEY, 422, "lone surrogate", "invalid_value", "invalid"),
     ("unknown model", "POST", "/v1/completions", {"model": "gpt-9", "prompt": "x"}, KEY, 404, "'gpt-9' is not served",
      "model_not_found", "unknown_model"),
     ("logit_bias", "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "logit_bias": {"5": 3}}, KEY, 422,
@@ -355,6 +375,9 @@ GUARDS = [
      "content policy", "content_policy_violation", "deny_list"),
     ("deny-list ids", "POST", "/v1/completions", {"model": "tiny", "prompt": "TOKENS:forbidden word"}, KEY, 400,
      "content policy", "content_policy_violation", "deny_list"),
+    ("deny-list chat", "POST", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": [
+     {"type": "text", "text": "a forbidden "}, {"type": "text", "text": "WORD"}]}]}, KEY, 400, "content policy",
+     "content_policy_violation", "deny_list"),
     ("no route", "GET", "/v1/engines", b"", KEY, 404, "Not Found", None, "no_route"),
 ]  # fmt: skip
 
@@ -376,7 +399,8 @@ def test_guard_answers_with_its_status_message_and_metric(served, guard):
 
 
 def test_rate_limit_answers_429_with_retry_after(served):
-    """RATE_KEY spends its burst; the next request waits, whatever the other key does."""
+    """RATE_KEY spends its burst; the next request waits, whatever the other key does, and
+    whatever else is wrong with it (an oversized or malformed body)."""
     client = served["client"]
     refused = client.metrics().get("jaxllm_rejections_total[rate_limited]", 0)
     statuses = []
@@ -385,8 +409,108 @@ def test_rate_limit_answers_429_with_retry_after(served):
     status, body, headers = statuses[-1]
     _error(status, body, 429, r"2 per second, 400 at once \(serve.rate_per_s, serve.burst\)", "rate_limit_exceeded")
     assert len(statuses) > BURST and int(headers["Retry-After"]) >= 1
+    for worse in (b"x" * (2 << 20), b'{"model": '):
+        assert client.request("POST", "/v1/completions", worse, key=RATE_KEY)[0] == 429
     assert client.request("GET", "/v1/models")[0] == 200
-    assert client.metrics()["jaxllm_rejections_total[rate_limited]"] == refused + 1
+    assert client.metrics()["jaxllm_rejections_total[rate_limited]"] == refused + 3
+
+
+def test_unauthenticated_clients_learn_nothing_and_their_floods_are_rate_limited(served):
+    """Without a valid key every path but /health and /metrics answers 401 with the same message,
+    whatever else is wrong, naming no model, limit or setting; an address that keeps trying is
+    answered 429 (with no limit named), while clients with a key from elsewhere go on."""
+    stranger = Client(served["port"], source="127.0.0.2")  # an address of its own: its own bucket
+    tries = [("GET", "/openapi.json", b""), ("GET", "/v1/models", b""), ("GET", "/v1/engines", b""),
+             ("POST", "/v1/completions", b"x" * (2 << 20)), ("POST", "/v1/completions", b'{"model": '),
+             ("POST", "/v1/completions", {"model": "gpt-9", "prompt": [7] * 200, "n": 99}),
+             ("POST", "/v1/chat/completions", {"model": "tiny", "messages": []})]  # fmt: skip
+    answers = [stranger.request(method, path, body, key=key) for method, path, body in tries for key in (None, "no")]
+    messages = {a[1]["error"]["message"] for a in answers}
+    assert {a[0] for a in answers} == {401} and len(messages) == 1
+    assert not re.search(r"tiny|\d|serve\.", messages.pop())
+    statuses = []
+    while len(statuses) < BURST + 20 and (not statuses or statuses[-1][0] == 401):
+        statuses.append(stranger.request("GET", "/v1/models", key="guess"))
+    status, body, headers = statuses[-1]
+    _error(status, body, 429, r"^too many requests; retry in \d+ s$", "rate_limit_exceeded")
+    assert len(answers) + len(statuses) > BURST and int(headers["Retry-After"]) >= 1
+    assert served["client"].request("GET", "/v1/models")[0] == 200
+
+
+# Each guard in the README's order, with what breaks it in a body; a request that breaks several
+# is answered by the first.
+ORDER = ["key", "size", "json", "unsupported", "field", "model", "context", "deny"]
+ANSWERS = {
+    "key": (401, "invalid_api_key"), "size": (413, "request_too_large"), "json": (400, "invalid_json"),
+    "unsupported": (422, "unsupported_field"), "field": (422, "invalid_value"), "model": (404, "model_not_found"),
+    "context": (422, "context_length_exceeded"), "deny": (400, "content_policy_violation"),
+}  # fmt: skip
+
+
+def _breaking(guards: set[str]) -> tuple[bytes, str | None]:
+    body = {
+        "model": "gpt-9" if "model" in guards else "tiny",
+        "max_tokens": 2,
+        "prompt": ("forbidden word " if "deny" in guards else "") + ("word " * 300 if "context" in guards else "x"),
+    }
+    if "unsupported" in guards:
+        body["logit_bias"] = {"5": 3}
+    if "field" in guards:
+        body["n"] = 99
+    if "size" in guards:
+        body["padding"] = "x" * (1 << 20)
+    raw = json.dumps(body).encode()
+    return raw[:-1] if "json" in guards else raw, None if "key" in guards else KEY
+
+
+@pytest.mark.parametrize("first", ORDER[:-1])
+def test_a_request_breaking_several_guards_gets_the_first(served, first):
+    """`first` with each guard after it, and with all of them."""
+    later = ORDER[ORDER.index(first) + 1 :]
+    for guards in [{first, other} for other in later] + [{first, *later}]:
+        status, body, _ = served["client"].request("POST", "/v1/completions", *_breaking(guards))
+        assert (status, body["error"]["code"]) == ANSWERS[first], (guards, body)
+    assert served["client"].request("POST", "/v1/completions", *_breaking({"deny"}))[0] == 400
+
+
+def test_a_chunked_body_over_the_limit_is_a_413(served):
+    connection = http.client.HTTPConnection("127.0.0.1", served["port"], timeout=60)
+    chunks = (b"x" * 65536 for _ in range(32))  # 2 MB, with no Content-Length
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    try:
+        connection.request("POST", "/v1/completions", chunks, headers, encode_chunked=True)
+    except (BrokenPipeError, ConnectionResetError):  # it answered before reading the whole body
+        pass
+    response = connection.getresponse()
+    _error(response.status, json.loads(response.read()), 413, r"over 1048576 bytes", "request_too_large")
+
+
+# (field, a value at its bound, one past it, other fields): the field's guard takes the bound
+# (later guards may still refuse it: the context, the alarm), and refuses one past it with a 422
+# naming the field; on the completions route unless the field is the chat's.
+BOUNDS = [
+    ("n", SLOTS, SLOTS + 1, {}), ("top_k", 512, 513, {}), ("max_tokens", MAX_LEN - 1, MAX_LEN, {"prompt": [5]}),
+    ("logprobs", 5, 6, {}), ("seed", 2**32 - 1, 2**32, {}), ("temperature", 2, 2.001, {}),
+    ("top_p", 1, 1.001, {}), ("top_p", 1e-9, 0, {}), ("stop", ["a"] * 4, ["a"] * 5, {}),
+    ("prompt", [511], [512], {}), ("prompt", ["x"] * SLOTS, ["x"] * (SLOTS + 1), {}),
+    ("prompt", [7] * MAX_PROMPT, [7] * (MAX_PROMPT + 1), {"max_tokens": 1}),
+    ("top_logprobs", 20, 21, {"logprobs": True}), ("max_completion_tokens", MAX_LEN - 1, MAX_LEN, {}),
+]  # fmt: skip
+CHAT_FIELDS = ("top_logprobs", "max_completion_tokens")
+
+
+@pytest.mark.parametrize("field, at, past, other", BOUNDS, ids=[f"{b[0]}-{b[1]!r:.12}" for b in BOUNDS])
+def test_every_field_at_its_bound_is_taken_and_one_past_it_refused(served, field, at, past, other):
+    chat = field in CHAT_FIELDS
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    base = {"model": "tiny", "max_tokens": 1, **({"messages": [{"role": "user", "content": "x"}]} if chat else {
+            "prompt": "x"})} | other  # fmt: skip
+    if field == "max_completion_tokens":
+        base.pop("max_tokens")
+    status, body, _ = served["client"].request("POST", path, base | {field: at})
+    assert status == 200 or body["error"]["code"] in ("context_length_exceeded", "perplexity_alarm"), body
+    status, body, _ = served["client"].request("POST", path, base | {field: past})
+    _error(status, body, 422, f"^{field}", "invalid_value")
 
 
 def test_perplexity_alarm_refuses_with_a_metric_and_a_logged_request_id(served, reference):
@@ -516,3 +640,16 @@ def test_int8_weights_and_kv_cache_answer_through_http(served, tmp_path):
     np.testing.assert_allclose(
         choice.logprobs.token_logprobs, want[np.arange(start - 1, len(ids) - 1), ids[start:]], atol=2e-3
     )
+
+
+def test_a_soak_of_mixed_clients_ends_with_no_failure_and_everything_freed(served, tmp_path):
+    """scripts/soak_serve.py at a small scale (its own server on the module's run): every check
+    it makes passes, and the mix reached every kind of request and answer."""
+    figures_file = tmp_path / "soak.json"
+    command = [sys.executable, "scripts/soak_serve.py", "--workdir", str(served["workdir"]), "--clients", "24",
+               "--seconds", "30", "--json", str(figures_file)]  # fmt: skip
+    done = run(command, check=False)
+    figures = json.loads(figures_file.read_text())
+    assert done.returncode == 0 and all(figures["checks"].values()), done.stdout
+    assert figures["requests"] > 300 and figures["server 5xx"] == figures["hangs"] == 0
+    assert len(figures["by kind"]) == 8 and {"200", "401", "422", "499"} <= set(figures["server statuses"])

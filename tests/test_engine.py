@@ -2,37 +2,28 @@
 meshes of 1, 2 and 4 devices: at each of 24 decode steps every request's log-probs equal a full
 recompute on one device; a request generates the same tokens alone as among seven others that join
 at staggered steps, greedy and sampled; the decode step updates its donated cache in place. Behind
-the HTTP app in-process: the perplexity alarm without refusing, and an engine whose step failed."""
+the HTTP app in-process: the perplexity alarm without refusing."""
 
 import contextlib
 import math
 import re
 import subprocess
 import sys
-import threading
 from functools import partial
 
+import httpx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import checkpoint_params, small_config, stdlib_glob
-from starlette.testclient import TestClient
+from conftest import checkpoint_params
+from serving import http_server
 
-from jaxllm.data.corpus import read_documents, resolve_inputs
-from jaxllm.data.tokenizer import get_tokenizer, save_tokenizer, train_bpe
 from jaxllm.model.decoder import forward
-from jaxllm.parallel.mesh import make_mesh
 from jaxllm.plan import hlo
-from jaxllm.serve.api import Server, create_app
-from jaxllm.serve.chat import ChatTemplate
-from jaxllm.serve.engine import Request, RequestError, Unavailable
-from jaxllm.serve.guards import DenyList
+from jaxllm.serve.generation import Request, RequestError
 from jaxllm.serve.load import load_engine
-from jaxllm.serve.metrics import Metrics
 from jaxllm.serve.steps import bucket_for, prefill, prompt_buckets
-from jaxllm.train.run import batch_sharding, build_run
-from jaxllm.train.step import compile_train_step, init_state
 
 PPL_ALARM = 300.0  # about the vocabulary's size: the barely trained model passes it on some prompts
 SLOTS, NEW = 8, 25  # the first token comes from the prefill, then 24 decode steps
@@ -41,28 +32,6 @@ JOINS = {0: [3], 1: [0, 5], 4: [1], 5: [7, 2], 9: [6, 4]}  # decode step → req
 # Long slots, so the cache outweighs the decode step's fixed temporaries, as it does at scale.
 SERVE = {"serve.slots": SLOTS, "model.max_seq_len": 4096, "serve.max_len": 4096, "serve.max_prompt_tokens": 16,
          "serve.dtype": "float32"}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """Two steps of a 2-stage pipeline (data 4) with a real BPE, checkpointed as a run does."""
-    workdir = tmp_path_factory.mktemp("run")
-    texts = (text for f in resolve_inputs([stdlib_glob("json")]) for _, text in read_documents(f))
-    tokenizer = get_tokenizer(train_bpe(texts, 300, workdir / "bpe"))
-    save_tokenizer(tokenizer, workdir / "tokenizer")
-    cfg = small_config(vocab_size=300)
-    cfg.parallel.update(stage=2, microbatches=2, data=4)
-    mesh = make_mesh(cfg.parallel)
-    with jax.set_mesh(mesh):
-        run = build_run(cfg, mesh)
-        state, step = init_state(run), compile_train_step(run)
-        for i in range(2):
-            w = np.random.default_rng(i).integers(0, 300, (cfg.train.batch_size, cfg.train.seq_len + 1), np.int32)
-            state, _ = step(state, jax.device_put({"inputs": w[:, :-1], "targets": w[:, 1:]}, batch_sharding(mesh)))
-        checkpoints = run.checkpointer(workdir)
-        checkpoints.save(2, state, {})
-        checkpoints.close()
-    return workdir, cfg.model, tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -141,17 +110,8 @@ def test_engine_matches_full_recompute_and_is_independent_of_neighbours(trained,
 @contextlib.contextmanager
 def _served_in_process(engine):
     """The HTTP app on `engine`, in this process, with the engine stepping in a thread."""
-    server = Server(engine.cfg.serve, "m", engine.tokenizer, ChatTemplate(), DenyList([]), frozenset(), Metrics(8))
-    server.engine = engine
-    stop = threading.Event()
-    thread = threading.Thread(target=engine.serve_forever, args=(stop,))
-    thread.start()
-    try:
-        with TestClient(create_app(server)) as http:
-            yield http
-    finally:
-        stop.set()
-        thread.join()
+    with http_server(engine) as (url, _), httpx.Client(base_url=url, timeout=60) as http:
+        yield http
 
 
 def _check_prompt_logprobs(generation, want, tensor):
@@ -262,6 +222,9 @@ def test_requests_beyond_the_limits_are_refused_with_the_limit(engines):
         (Request([1], top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
         (Request([1], stop=("a", "b", "c", "d", "e")), "5 stop strings given; at most 4"),
         (Request([1], logprobs=21), "logprobs=21 must be between 0 and 20"),
+        (Request([1], top_k=1 << 40), "top_k=1099511627776 must be between 0 .* vocabulary's 300"),
+        (Request([1], seed=1 << 32), r"seed=4294967296 must be in \[0, 2\*\*32\)"),
+        (Request([1], temperature=math.nan), "temperature=nan must be a number of at least 0"),
     ]:
         with pytest.raises(RequestError, match=message):
             engine.submit(request)
@@ -278,47 +241,6 @@ def test_prefill_without_logprobs_runs_the_head_once_with_the_same_result(traine
     without, full = (runs[nll](params, tokens, length) for nll in (0, 1))
     np.testing.assert_allclose(without.logits, full.logits, rtol=1e-5, atol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), without.cache, full.cache)
-
-
-def test_engine_thread_serves_until_a_step_fails_then_ends_every_request(trained):
-    """serve_forever steps whatever other threads submit; a failing step (a lost device, say)
-    ends every waiting and running request with the error and refuses new ones."""
-    engine = load_engine(trained[0], {"serve.slots": 1, "serve.max_len": 32, "serve.max_prompt_tokens": 16})
-    stop, failures = threading.Event(), []
-
-    def serve():
-        try:
-            engine.serve_forever(stop)
-        except RuntimeError as e:
-            failures.append(e)
-
-    thread = threading.Thread(target=serve)
-    thread.start()
-    served = engine.submit(Request([5, 6], 4, temperature=0.0, ignore_eos=True))
-    assert len(served.choices(timeout=60)[0].tokens) == 4
-
-    submitted = threading.Event()
-
-    def lost_device(*args):
-        submitted.wait(30)  # fails only once both requests are in, however the threads interleave
-        raise RuntimeError("device lost")
-
-    engine.decode_step = lost_device
-    running, waiting = [engine.submit(Request([5], 8, ignore_eos=True)) for _ in range(2)]
-    submitted.set()
-    thread.join(60)
-    assert [str(f) for f in failures] == ["device lost"] and engine.failure is failures[0]
-    for generation in (running, waiting):
-        with pytest.raises(Unavailable, match="the engine has stopped: RuntimeError.'device lost'"):
-            generation.choices(timeout=10)
-    with pytest.raises(Unavailable, match="the engine has stopped"):
-        engine.submit(Request([5], 2))
-    assert not engine.busy()
-    with _served_in_process(engine) as http:  # what the HTTP server then answers: unhealthy, and 503
-        health = http.get("/health")
-        refused = http.post("/v1/completions", json={"model": "m", "prompt": [5]})
-    assert (health.status_code, health.json()["status"]) == (503, "stopped")
-    assert refused.status_code == 503 and "restart the server" in refused.json()["error"]["message"]
 
 
 def test_serving_imports_nothing_of_training():

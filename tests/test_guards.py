@@ -7,7 +7,7 @@ import pytest
 
 from jaxllm.config import ConfigError
 from jaxllm.serve.chat import ChatTemplate
-from jaxllm.serve.engine import RequestError
+from jaxllm.serve.generation import RequestError
 from jaxllm.serve.guards import PPL_WINDOW, DenyList, RateLimiter, load_api_keys, prompt_perplexity
 
 

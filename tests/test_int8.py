@@ -24,7 +24,7 @@ from jaxllm.model.decoder import forward
 from jaxllm.model.int8 import quantize_weight, symmetric_int8
 from jaxllm.model.layers import attend
 from jaxllm.parallel.mesh import make_mesh
-from jaxllm.serve.engine import Request
+from jaxllm.serve.generation import Request
 from jaxllm.serve.load import load_engine, serving_setup
 from jaxllm.train.run import batch_sharding, build_run
 from jaxllm.train.step import compile_train_step, init_state

@@ -16,12 +16,13 @@ from jaxllm.config import ConfigError, base_config
 from jaxllm.data.tokenizer import prompt_ids
 from jaxllm.errors import exit_on_error
 from jaxllm.hf.config import require_hf_dir
-from jaxllm.serve.api import Server, create_app
+from jaxllm.serve.api import create_app
 from jaxllm.serve.chat import ChatTemplate
-from jaxllm.serve.engine import Request
+from jaxllm.serve.generation import Limits, Request
 from jaxllm.serve.guards import DenyList, load_api_keys
 from jaxllm.serve.load import serving_setup, start_engine
 from jaxllm.serve.metrics import Metrics
+from jaxllm.serve.server import Server
 
 CONFIG = config_flags.DEFINE_config_dict("config", base_config(), "Overrides of the checkpoint's config.")
 WORKDIR = flags.DEFINE_string("workdir", None, "A training run: serve its latest readable checkpoint.")
@@ -62,7 +63,7 @@ def serve_http(path: str, cfg, tokenizer) -> None:
     """Listens at once; loads and compiles in a thread that then steps the engine until shutdown."""
     s = cfg.serve
     server = Server(
-        s, s.model_name or pathlib.Path(path).absolute().name, tokenizer,
+        s, Limits.of(cfg, tokenizer), s.model_name or pathlib.Path(path).absolute().name, tokenizer,
         ChatTemplate.chosen(CHAT_TEMPLATE.value, tokenizer.chat_template, special_tokens(tokenizer)),
         DenyList.from_file(DENY.value), load_api_keys(API_KEYS.value), Metrics(s.slots),
     )  # fmt: skip

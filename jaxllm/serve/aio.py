@@ -9,7 +9,7 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
-from jaxllm.serve.engine import Delta
+from jaxllm.serve.generation import Delta
 
 T = TypeVar("T")
 
@@ -22,23 +22,30 @@ async def chain(first: Delta | None, rest: AsyncIterator[Delta]) -> AsyncIterato
 
 
 async def merged(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
-    """The deltas of several generations as they come, each with its generation's index."""
-    queue: asyncio.Queue[tuple[int, Delta | None]] = asyncio.Queue()
+    """The deltas of several generations as they come, each with its generation's index; what
+    any of them raises (a reader's timeout, say) is raised here."""
+    queue: asyncio.Queue[tuple[int, Delta | Exception | None]] = asyncio.Queue()
 
     async def pump(index: int, stream: AsyncIterator[Delta]) -> None:
-        async for delta in stream:
-            queue.put_nowait((index, delta))
-        queue.put_nowait((index, None))
+        try:
+            async for delta in stream:
+                queue.put_nowait((index, delta))
+        except Exception as e:
+            queue.put_nowait((index, e))
+        else:
+            queue.put_nowait((index, None))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
         unfinished = len(tasks)
         while unfinished:
-            index, delta = await queue.get()
-            if delta is None:
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is None:
                 unfinished -= 1
             else:
-                yield index, delta
+                yield index, item
     finally:
         for task in tasks:
             task.cancel()

@@ -19,7 +19,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from jaxllm.config import ConfigError
-from jaxllm.serve.engine import RequestError
+from jaxllm.serve.generation import RequestError
 
 BUILTIN = (
     "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"

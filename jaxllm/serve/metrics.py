@@ -14,6 +14,13 @@ class Metrics:
             "jaxllm_requests", "HTTP requests by route and status.", ["route", "status"], registry=r
         )
         self.rejections = Counter("jaxllm_rejections", "Requests refused, by reason.", ["reason"], registry=r)
+        self.failures = Counter(
+            "jaxllm_request_failures", "Requests the server failed (500: internal_error, 504: timeout), by reason.",
+            ["reason"], registry=r,
+        )  # fmt: skip
+        self.engine_restarts = Gauge(
+            "jaxllm_engine_restarts", "Decode states rebuilt after a failed device step.", registry=r
+        )
         self.queue_depth = Gauge("jaxllm_queue_depth", "Requests waiting for a slot.", registry=r)
         self.active_slots = Gauge("jaxllm_active_slots", "Slots decoding a request.", registry=r)
         self.kv_cache_usage = Gauge(

@@ -1,4 +1,4 @@
-"""OpenAI's request bodies as this server takes them, and the bodies it sends back.
+"""OpenAI's request bodies as this server takes them, each bound set by the engine's limits.
 
 Unknown fields are ignored, as OpenAI's clients expect; fields this server cannot honour are
 refused by name (`unsupported`) rather than silently dropped. `top_k` and `ignore_eos` are
@@ -6,14 +6,13 @@ extensions (vLLM's names)."""
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, create_model
 
-from jaxllm.data.tokenizer import Tokenizer
-from jaxllm.serve.engine import Logprob, Request, RequestError
-from jaxllm.serve.steps import Tokens
+from jaxllm.serve.generation import SEEDS, Limits, Request, RequestError
+from jaxllm.serve.steps import TOP_LOGPROBS
+from jaxllm.serve.stream import MAX_STOPS
 
 
 def _unicode(text: str) -> str:
@@ -25,6 +24,16 @@ def _unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_unicode)]
+
+
+def _listed(value):
+    return [value] if isinstance(value, str) else value
+
+
+def stop_strings(most: int):
+    """`stop`: a string or up to `most` strings, validated as a list (so a refusal names one form)."""
+    strings = Annotated[list[Text], Field(max_length=most)]
+    return Annotated[strings | None, BeforeValidator(_listed, json_schema_input_type=str | strings | None)]
 
 
 # Each field, and whether a value of it changes nothing (then it passes).
@@ -61,22 +70,25 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
+    """The fields completions and chats share. The bounds that depend on the server (`n`, `top_k`,
+    `max_tokens`, the prompt's) are set by `request_models`."""
+
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
-    model: Text
-    temperature: float = Field(1.0, ge=0, le=2)
+    model: Text = Field(description="the served model's id (GET /v1/models)")
+    temperature: float = Field(1.0, ge=0, le=2, description="0: greedy")
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    n: int = Field(1, ge=1)
-    seed: int | None = None
-    stop: Text | list[Text] | None = None
+    top_k: int = Field(0, ge=0, description="0: no limit")
+    n: int = Field(1, ge=1, description="choices, each decoded in a slot of its own")
+    seed: int | None = Field(None, ge=0, lt=SEEDS, description="None: a random one")
+    stop: stop_strings(MAX_STOPS) = Field(None, description="strings that end a choice")
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
 
     @property
     def stops(self) -> tuple[str, ...]:
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return tuple(self.stop or ())
 
     @property
     def include_usage(self) -> bool:
@@ -91,7 +103,7 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: Text | list[Text] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # None: as many as the slot holds
+    max_tokens: int | None = Field(16, ge=1, description="None: as many as the slot holds")
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)
 
@@ -117,50 +129,71 @@ class Message(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = None  # None: as many as the slot holds
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1, description="None: as many as the slot holds")
+    max_completion_tokens: int | None = Field(None, ge=1, description="max_tokens' newer name; wins over it")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+def _prompt_form(value) -> str | None:
+    """Which of its four forms a completion's prompt takes, by its shape, so a refusal speaks of
+    that form alone (a union would report every form's complaint)."""
+    if isinstance(value, str):
+        return "text-prompt"
+    if isinstance(value, list):
+        first = value[0] if value else ""
+        return (
+            "text-prompts" if isinstance(first, str) else "token-id-lists" if isinstance(first, list) else "token-ids"
+        )
+    return None
 
 
-def envelope(request_id: str, kind: str, model: str, choices: list[dict], **extra) -> dict:
-    return {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": choices, **extra}
+# The setting behind each upper bound `request_models` sets, named when a value passes it.
+BOUNDS = {
+    "prompt": "serve.slots prompts, serve.max_prompt_tokens tokens each, ids below the vocabulary's size",
+    "messages": "serve.max_prompt_tokens",
+    "n": "serve.slots",
+    "top_k": "the vocabulary's size",
+    "max_tokens": "serve.max_len less one",
+    "max_completion_tokens": "serve.max_len less one",
+    "seed": "2**32",
+}
 
 
-def completion_logprobs(tokenizer: Tokenizer, logprobs: list[Logprob], top: int, offset: int = 0) -> dict:
-    """The completions API's log-probs of `logprobs`, whose text starts at `offset`."""
-    tokens = [tokenizer.decode([lp.token]) for lp in logprobs]
-    offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-    return {
-        "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [
-            None if lp.top is None else {tokenizer.decode([t]): v for t, v in lp.top[:top]} for lp in logprobs
-        ],
-        "text_offset": offsets,
-    }
+def request_models(limits: Limits, model_name: str) -> tuple[type[CompletionRequest], type[ChatRequest]]:
+    """The request bodies one server takes: every bound from its engine's `limits`, so a value
+    the engine could not serve is refused where it is parsed (422, naming the bound), and the
+    OpenAPI document states each bound."""
+    token = Annotated[int, Field(ge=0, lt=limits.vocab_size)]
+    ids = Annotated[list[token], Field(min_length=1, max_length=limits.max_prompt)]
+    # Tags that are no identifiers stay out of a refusal's `param` (see `Server.parse`).
+    prompt = Annotated[
+        Annotated[Text, Tag("text-prompt")]
+        | Annotated[list[Text], Tag("text-prompts"), Field(min_length=1, max_length=limits.slots)]
+        | Annotated[ids, Tag("token-ids")]
+        | Annotated[list[ids], Tag("token-id-lists"), Field(min_length=1, max_length=limits.slots)],
+        Discriminator(_prompt_form, custom_error_type="prompt_form",
+                      custom_error_message="send text, token ids, or a list of either"),
+        Field(description=f"text or token ids (below {limits.vocab_size}), or a list of up to {limits.slots} "
+                          f"(serve.slots) of either; at most {limits.max_prompt} tokens each"),
+    ]  # fmt: skip
+    most = limits.max_len - 1  # a one-token prompt leaves room for this many
+    bounded = dict(
+        model=(Text, Field(description="the served model's id", json_schema_extra={"enum": [model_name]})),
+        n=(int, Field(1, ge=1, le=limits.slots, description="choices, each in a slot of its own (serve.slots)")),
+        top_k=(int, Field(0, ge=0, le=limits.vocab_size, description="0: no limit; at most the vocabulary")),
+        stop=(stop_strings(limits.stops), Field(None, description=f"up to {limits.stops} strings that end a choice")),
+    )  # fmt: skip
 
+    def max_tokens(default: int | None):
+        return int | None, Field(default, ge=1, le=most, description="None: as many as the slot holds (serve.max_len)")
 
-def prompt_logprobs(prompt: list[int], scored: Tokens, top: int) -> list[Logprob]:
-    """A prompt's log-probs (`Generation.prompt_logprobs`) as `Logprob`s; the first token has none."""
-    rows = zip(*(a.tolist() for a in scored), strict=True)
-    return [Logprob(prompt[0], None, None)] + [
-        Logprob(i, v, list(zip(t[:top], tv[:top], strict=True))) for i, v, t, tv in rows
-    ]
-
-
-def chat_logprobs(tokenizer: Tokenizer, logprobs: list[Logprob], top: int) -> dict:
-    def entry(token: int, logprob: float) -> dict:
-        text = tokenizer.decode([token])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    return {"content": [entry(lp.token, lp.logprob) | {"top_logprobs": [entry(*t) for t in lp.top[:top]]}
-                        for lp in logprobs]}  # fmt: skip
+    completion = create_model(
+        "CompletionRequest", __base__=CompletionRequest, prompt=(prompt, ...), max_tokens=max_tokens(16), **bounded
+    )
+    messages = Annotated[list[Message], Field(min_length=1, max_length=limits.max_prompt)]
+    chat = create_model(
+        "ChatRequest", __base__=ChatRequest, messages=(messages, ...), max_tokens=max_tokens(None),
+        max_completion_tokens=max_tokens(None), **bounded,
+    )  # fmt: skip
+    return completion, chat

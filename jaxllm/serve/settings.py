@@ -36,6 +36,9 @@ def serving_config(cfg: ml_collections.ConfigDict, local_devices: int) -> ml_col
     require(s.rate_per_s > 0, f"serve.rate_per_s={s.rate_per_s} must be above 0 (requests per second per key)")
     require(s.burst >= 1, f"serve.burst={s.burst} must be at least 1")
     require(s.max_queue >= 0, f"serve.max_queue={s.max_queue} must be at least 0")
+    for field in ("request_timeout_s", "body_timeout_s"):
+        require(s[field] > 0, f"serve.{field}={s[field]} must be above 0 (seconds)")
+    require(s.max_engine_restarts >= 0, f"serve.max_engine_restarts={s.max_engine_restarts} must be at least 0")
     require(
         s.ppl_alarm is None or s.ppl_alarm > 1,
         f"serve.ppl_alarm={s.ppl_alarm} must be above 1 (a perplexity), or None to turn the alarm off",
