@@ -17,10 +17,8 @@ import argparse
 import pathlib
 import re
 
-import ml_collections
-
 from jaxllm.checkpoint import load_params, stored_config, write_export
-from jaxllm.config import sizes
+from jaxllm.config import ParallelConfig
 from jaxllm.data.tokenizer import HFTokenizer, load_saved_tokenizer, save_tokenizer
 from jaxllm.errors import exit_on_error
 from jaxllm.hf.config import ConversionError, check_llama, is_hf_dir, require_hf_dir
@@ -35,7 +33,7 @@ UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 
 def _local_fsdp_mesh():
     """Params split over this host's devices, so no one device holds a whole large model."""
-    return make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=-1, stage=1, tensor=1)))
+    return make_mesh(ParallelConfig(data=1, fsdp=-1))
 
 
 def from_hf(hf: str | pathlib.Path, out: str | pathlib.Path) -> None:
@@ -48,7 +46,7 @@ def from_hf(hf: str | pathlib.Path, out: str | pathlib.Path) -> None:
     else:
         tokenizer = "without a tokenizer (none in the directory: pass --tokenizer when serving)"
     print(f"from-hf: {hf} → {out.absolute()}: {count(param_specs(cfg.model)):,} parameters (vocab padded to "
-          f"{sizes(cfg.model).padded_vocab}) in {cfg.model.param_dtype}, {tokenizer}")  # fmt: skip
+          f"{cfg.model.padded_vocab}) in {cfg.model.param_dtype}, {tokenizer}")  # fmt: skip
 
 
 def to_hf(
@@ -77,7 +75,7 @@ def to_hf(
     files = write_hf(out, model, parameter, saved_tokenizer, dtype, max_shard_bytes)
     print(f"to-hf: step {read['step']} of {checkpoint} → {out.absolute()}: {len(files)} safetensors file(s) in {dtype}")
     if model.qkv_share_every > 1:
-        print(f"to-hf: --expand-shared-qkv wrote each of the {sizes(model).groups} shared q/k/v into the "
+        print(f"to-hf: --expand-shared-qkv wrote each of the {model.groups} shared q/k/v into the "
               f"{model.qkv_share_every} layers of its group: an exact Llama with "
               f"{expanded_qkv_parameters(model):,} more parameters than this model")  # fmt: skip
     if not isinstance(saved_tokenizer, HFTokenizer):

@@ -15,9 +15,8 @@ from __future__ import annotations
 import argparse
 import pathlib
 
-import ml_collections
-
 from jaxllm.checkpoint import load_params, write_export
+from jaxllm.config import ParallelConfig
 from jaxllm.data.tokenizer import load_saved_tokenizer, save_tokenizer
 from jaxllm.errors import exit_on_error
 from jaxllm.parallel.mesh import make_mesh
@@ -33,8 +32,7 @@ def export(
     """Exports the latest checkpoint (or `step`) of `workdir` with its tokenizer (or `tokenizer`,
     for runs that saved none), its weights quantized if asked; returns its step."""
     saved_tokenizer = load_saved_tokenizer(pathlib.Path(workdir) / "tokenizer", tokenizer)
-    fsdp_here = ml_collections.ConfigDict(dict(data=1, fsdp=-1, stage=1, tensor=1))
-    cfg, params, step = load_params(workdir, make_mesh(fsdp_here), step=step, quantize=quantize)
+    cfg, params, step = load_params(workdir, make_mesh(ParallelConfig(data=1, fsdp=-1)), step=step, quantize=quantize)
     write_export(out, cfg, params, step)
     save_tokenizer(saved_tokenizer, pathlib.Path(out) / "tokenizer")
     print(f"exported step {step} of {workdir} to {pathlib.Path(out).absolute()}")

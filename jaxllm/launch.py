@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from jaxllm.train.faults import HEARTBEAT_ENV
+from jaxllm import heartbeat
 
 
 def _free_port() -> int:
@@ -65,7 +65,7 @@ def run_group(command: list[str], nproc: int, heartbeat_timeout: float, startup_
                 "JAX_NUM_PROCESSES": str(nproc),
                 "JAX_PROCESS_ID": str(i),
                 "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
-                HEARTBEAT_ENV: str(pathlib.Path(beats) / str(i)),
+                heartbeat.ENV: str(pathlib.Path(beats) / str(i)),
             }
             procs.append(subprocess.Popen(command, env=env, start_new_session=True))
         started = time.time()

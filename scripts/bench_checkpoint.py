@@ -12,7 +12,7 @@ import time
 
 import jax
 
-from jaxllm.config import base_config
+from jaxllm.config import RunConfig
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.train.run import build_run  # noqa: E402
 from jaxllm.train.step import init_state  # noqa: E402
@@ -22,9 +22,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dir", default="/tmp/jaxllm-bench-ckpt")
     args = parser.parse_args()
-    cfg = base_config()
-    cfg.model.update(num_layers=8, hidden=1024, num_heads=16, mlp=2816, vocab_size=16000, dtype="float32")
-    cfg.parallel.data = 1
+    cfg = RunConfig().updated(
+        model=dict(num_layers=8, hidden=1024, num_heads=16, mlp=2816, vocab_size=16000, dtype="float32"),
+        parallel=dict(data=1),
+    )
     mesh = make_mesh(cfg.parallel, jax.devices()[:1])
     shutil.rmtree(args.dir, ignore_errors=True)
     with jax.set_mesh(mesh):

@@ -49,7 +49,7 @@ def main() -> None:
             tokens += next(batches)["inputs"].size
         loader = tokens / (time.perf_counter() - start)
 
-    cfg.parallel.data = 1
+    cfg = cfg.updated(parallel=dict(data=1))
     seconds, _ = throughput(cfg, make_mesh(cfg.parallel, jax.devices()[:1]), steps=10)
     consumption = t.batch_size * t.seq_len / seconds
     print(f"stdlib corpus: {megabytes:.1f} MB of text, {len(files)} files")

@@ -63,13 +63,13 @@ def main() -> int:
         print(f"  {name:<33}" + "".join(f"{e:>10.2e}" for e in errs))
 
     cfg = load_config(args.config)
-    cfg.model.dtype = "bfloat16"
-    cfg.parallel.update(data=1, fsdp=1, stage=1, tensor=1)
+    cfg = cfg.updated(model=dict(dtype="bfloat16"), parallel=dict(data=1, fsdp=1, stage=1, tensor=1))
     t = cfg.train
-    t.update(batch_size=args.batch or t.batch_size, seq_len=args.seq or t.seq_len, grad_accum_steps=1)
+    cfg = cfg.updated(train=dict(batch_size=args.batch or t.batch_size, seq_len=args.seq or t.seq_len,
+                                 grad_accum_steps=1))  # fmt: skip
     runs = {}
     for fp8 in (False, True):
-        cfg.model.fp8.enabled = fp8
+        cfg = cfg.updated(model=dict(fp8=dict(enabled=fp8)))
         validate(cfg, 1, jax.default_backend())
         runs[fp8] = run(cfg, args.steps)
     times, hlo = {fp8: r["step_s"] for fp8, r in runs.items()}, runs[True]["hlo"]

@@ -70,8 +70,10 @@ def main() -> None:
     if jax.default_backend() != "gpu":
         raise SystemExit("bench_gpu.py measures a GPU; this machine has none")
     cfg = load_config(args.config)
-    cfg.parallel.update(data=1, fsdp=1, stage=1, tensor=1)
-    cfg.train.update(batch_size=args.batch, seq_len=args.seq, grad_accum_steps=1)
+    cfg = cfg.updated(
+        parallel=dict(data=1, fsdp=1, stage=1, tensor=1),
+        train=dict(batch_size=args.batch, seq_len=args.seq, grad_accum_steps=1),
+    )
     validate(cfg, 1)
     datasheet, source = peak_flops(jax.devices()[:1])
     measured = measure_matmul_peak(8192, dtype=jnp.bfloat16)
@@ -82,7 +84,7 @@ def main() -> None:
     print(f"{'remat':>10} {'compile s':>10} {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'of matmul':>10} "
           f"{'compiled GiB':>13} {'measured GiB':>13}")  # fmt: skip
     for remat in args.remat:
-        cfg.model.remat = remat
+        cfg = cfg.updated(model=dict(remat=remat))
         r = run(cfg, args.steps)
         print(f"{remat:>10} {r['compile_s']:10.1f} {r['step_s']:8.3f} {args.batch * args.seq / r['step_s']:10.0f} "
               f"{flops / r['step_s'] / datasheet:6.1%} {flops / r['step_s'] / measured:10.1%} "

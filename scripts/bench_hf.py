@@ -71,7 +71,7 @@ def same_tensors(a: pathlib.Path, b: pathlib.Path) -> bool:
 
 def ours(path: pathlib.Path, dtype: str, tokens: np.ndarray):
     cfg, params, _ = load_params(path, dtype=dtype)
-    cfg.model.dtype = dtype
+    cfg = cfg.updated(model=dict(dtype=dtype))
     logits = np.asarray(jax.jit(lambda p, t: forward(p, t, cfg.model))(params, tokens))
     return logits[..., : cfg.model.vocab_size], cfg, params
 

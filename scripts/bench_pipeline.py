@@ -21,7 +21,7 @@ import jax  # noqa: E402
 import jax.extend  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxllm.config import base_config, sizes  # noqa: E402
+from jaxllm.config import RunConfig  # noqa: E402
 from jaxllm.parallel.mesh import make_mesh  # noqa: E402
 from jaxllm.train.run import build_run  # noqa: E402
 from jaxllm.train.step import compile_train_step, init_state, train_step  # noqa: E402
@@ -47,21 +47,13 @@ def matmul_flops(jaxpr: jax.extend.core.Jaxpr) -> float:
 
 
 def _config(stages: int, microbatches: int, repeats: int, remat: str):
-    cfg = base_config()
-    cfg.model.update(
-        num_layers=32,
-        hidden=64,
-        num_heads=4,
-        mlp=256,
-        vocab_size=257,
-        max_seq_len=64,
-        qkv_share_every=2,
-        dtype="float32",
-        remat=remat,
-    )
-    cfg.parallel.update(data=8 // stages, stage=stages, microbatches=microbatches, repeats=repeats)
-    cfg.train.update(batch_size=128, seq_len=64)  # divisible by data × microbatches for every case below
-    return cfg
+    return RunConfig().updated(
+        model=dict(num_layers=32, hidden=64, num_heads=4, mlp=256, vocab_size=257, max_seq_len=64, qkv_share_every=2,
+                   dtype="float32", remat=remat),
+        parallel=dict(data=8 // stages, stage=stages, microbatches=microbatches, repeats=repeats),
+        data=dict(bpe_vocab_size=256),
+        train=dict(batch_size=128, seq_len=64),  # divisible by data × microbatches for every case below
+    )  # fmt: skip
 
 
 def step_flops(cfg) -> float:
@@ -77,7 +69,7 @@ def step_flops(cfg) -> float:
 
 def head_flops(cfg) -> float:
     """LM head forward + backward, the same with or without a pipeline."""
-    return 6 * cfg.train.batch_size * cfg.train.seq_len * cfg.model.hidden * sizes(cfg.model).padded_vocab
+    return 6 * cfg.train.batch_size * cfg.train.seq_len * cfg.model.hidden * cfg.model.padded_vocab
 
 
 def seconds_per_step(cfg, steps: int = 5) -> float:

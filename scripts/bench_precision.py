@@ -33,7 +33,7 @@ from bench_serve import engine_rates  # beside this script
 
 from jaxllm import plan
 from jaxllm.checkpoint import load_params
-from jaxllm.config import apply_overrides, load_config
+from jaxllm.config import load_config
 from jaxllm.data.dataset import prepare_data
 from jaxllm.data.loader import eval_batches
 from jaxllm.model.cache import KVCache
@@ -94,9 +94,9 @@ def train_step_footprint(cfg) -> tuple[int, int]:
 
 
 def serve_row(workdir, overrides: dict, batches, prompts) -> tuple:
-    cfg, _ = serving_setup(workdir, {**SERVE, **overrides})
-    _, params, _ = load_params(workdir, dtype=cfg.serve.dtype, quantize=cfg.model.quantize)
-    ppl = perplexity(params, cfg.model, batches, cfg.serve.kv_dtype)
+    serving, _ = serving_setup(workdir, {**SERVE, **overrides})
+    _, params, _ = load_params(workdir, dtype=serving.settings.dtype, quantize=serving.model.quantize)
+    ppl = perplexity(params, serving.model, batches, serving.settings.kv_dtype)
     engine = load_engine(workdir, {**SERVE, **overrides})
     return ppl, *footprint(engine.decode_step), decode_rate(engine, prompts)
 
@@ -112,14 +112,14 @@ def main() -> int:
     parser.add_argument("--workdir", default="runs/precision")
     args = parser.parse_args()
     base = load_config(args.config)
-    base.train.steps = args.steps or base.train.steps
+    base = base.updated(train=dict(steps=args.steps or base.train.steps))
     data = prepare_data(base)
     t = base.train
     val = eval_batches(data.tokens_dir, t.seq_len, t.batch_size, base.data.eval_batches, data.tokenizer.eos_id)
     prompts = np.stack([b["inputs"][0, :32] for b in val] * 2)[:8]
     runs = {}
     for name, overrides in TRAINING.items():
-        runs[name] = apply_overrides(base.copy_and_resolve_references(), overrides), pathlib.Path(args.workdir) / name
+        runs[name] = base.overridden(overrides), pathlib.Path(args.workdir) / name
         train(*runs[name], progress=False)
     rows = {}  # measured after all training, one row after another
     for name, (cfg, workdir) in runs.items():

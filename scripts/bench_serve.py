@@ -36,7 +36,7 @@ import numpy as np
 import uvicorn
 
 from jaxllm import plan
-from jaxllm.config import apply_overrides, base_config
+from jaxllm.config import RunConfig
 from jaxllm.data.tokenizer import get_tokenizer
 from jaxllm.model.decoder import forward
 from jaxllm.parallel.mesh import make_mesh
@@ -47,7 +47,7 @@ from jaxllm.serve.generation import Request
 from jaxllm.serve.guards import DenyList
 from jaxllm.serve.metrics import Metrics
 from jaxllm.serve.server import Server
-from jaxllm.serve.settings import serving_config
+from jaxllm.serve.settings import ServeConfig, serving_config
 from jaxllm.train.step import init_params
 
 
@@ -62,14 +62,12 @@ def seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def model_config(args, vocab: int, max_len: int):
-    cfg = base_config()
+def model_config(args, vocab: int, max_len: int) -> RunConfig:
     heads = args.hidden // 64
-    cfg.model.update(
+    return RunConfig().updated(model=dict(
         num_layers=args.layers, hidden=args.hidden, num_heads=heads, num_kv_heads=heads, mlp=3 * args.hidden,
         vocab_size=vocab, max_seq_len=max_len, qkv_share_every=4, dtype="float32",
-    )  # fmt: skip
-    return cfg
+    ))  # fmt: skip
 
 
 def engine_rates(engine: Engine, prompts: np.ndarray, new: int, repeats: int) -> dict[str, float]:
@@ -108,7 +106,7 @@ def http_rates(engine: Engine, prompts: np.ndarray, new: int, rounds: int) -> di
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     metrics = Metrics(engine.slots)
-    server = Server(engine.cfg.serve, engine.limits, "bench", engine.tokenizer, ChatTemplate(), DenyList([]),
+    server = Server(engine.settings, engine.limits, "bench", engine.tokenizer, ChatTemplate(), DenyList([]),
                     frozenset(), metrics, engine)  # fmt: skip
     http = uvicorn.Server(uvicorn.Config(create_app(server), "127.0.0.1", port, log_level="warning"))
     stop = threading.Event()
@@ -207,9 +205,9 @@ def main() -> None:
     results, configs, served = {}, {}, {}
     for context in args.contexts:
         cfg = model_config(args, tokenizer.vocab_size, context + args.new)
-        unlimited = {"serve.max_prompt_tokens": context, "serve.rate_per_s": 1e9, "serve.burst": 10**9}
-        configs[context] = serving_config(apply_overrides(cfg, unlimited), 1)
-        params = init_params(configs[context])
+        unlimited = ServeConfig(max_prompt_tokens=context, rate_per_s=1e9, burst=10**9)
+        configs[context] = serving_config(cfg, unlimited, 1)
+        params = init_params(cfg)
         engine = Engine(params, configs[context], tokenizer, make_mesh(configs[context].parallel, jax.devices()[:1]))
         prompts = np.random.default_rng(0).integers(0, tokenizer.vocab_size, (8, context))
         results[context] = {
@@ -228,7 +226,7 @@ def main() -> None:
     else:
         print(versions)
     for context, rows in results.items():
-        print(f"\ncontext {context} tokens (serve.max_len {configs[context].serve.max_len}):")
+        print(f"\ncontext {context} tokens (serve.max_len {configs[context].settings.max_len}):")
         print(f"  {'':16}{'prefill s':>10}{'1 slot tok/s':>14}{'8 slots tok/s':>15}")
         for name, r in rows.items():
             prefill = f"{r['prefill_s']:.3f}" if "prefill_s" in r else "-"

@@ -69,8 +69,7 @@ def throughput(cfg, mesh, steps: int) -> tuple[float, float]:
 
 
 def compile_seconds(cfg, mesh, groups: int) -> float:
-    cfg = cfg.copy_and_resolve_references()
-    cfg.model.num_layers = groups * cfg.model.qkv_share_every
+    cfg = cfg.updated(model=dict(num_layers=groups * cfg.model.qkv_share_every))
     with jax.set_mesh(mesh):
         run = build_run(cfg, mesh)
         state = run.state
@@ -86,7 +85,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     cfg = load_config(args.config)
-    cfg.parallel.data = 1
+    cfg = cfg.updated(parallel=dict(data=1))
     mesh = make_mesh(cfg.parallel, jax.devices()[:1])
     tokens = cfg.train.batch_size * cfg.train.seq_len
     flops = plan.flops_per_token(cfg.model, cfg.train.seq_len) * tokens

@@ -16,7 +16,7 @@ os.environ["XLA_FLAGS"] = (
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from jaxllm.config import base_config  # noqa: E402
+from jaxllm.config import RunConfig  # noqa: E402
 
 ROOT = pathlib.Path(__file__).parents[1]
 
@@ -24,26 +24,16 @@ jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxl
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def small_config(**model):
+def small_config(**model) -> RunConfig:
     """A model small enough to compile in seconds, big enough to split 8 ways on every axis."""
-    cfg = base_config()
-    cfg.model.update(
-        num_layers=4,
-        hidden=64,
-        num_heads=8,
-        num_kv_heads=4,
-        mlp=128,
-        vocab_size=257,
-        max_seq_len=64,
-        qkv_share_every=2,
-        dtype="float32",
-        init_std=0.05,
+    model = dict(num_layers=4, hidden=64, num_heads=8, num_kv_heads=4, mlp=128, vocab_size=257, max_seq_len=64,
+                 qkv_share_every=2, dtype="float32", init_std=0.05) | model  # fmt: skip
+    return RunConfig().updated(
+        model=model,
+        parallel=dict(data=1, fsdp=1, stage=1, tensor=1),
+        data=dict(bpe_vocab_size=256),
+        train=dict(steps=10, batch_size=16, seq_len=16, lr=1e-2, warmup_steps=1, log_every=1),
     )
-    cfg.model.update(model)
-    cfg.parallel.update(data=1, fsdp=1, stage=1, tensor=1)
-    cfg.data.bpe_vocab_size = 256
-    cfg.train.update(steps=10, batch_size=16, seq_len=16, lr=1e-2, warmup_steps=1, log_every=1)
-    return cfg
 
 
 def stdlib_glob(package: str) -> str:
@@ -129,8 +119,7 @@ def trained(tmp_path_factory):
     texts = (text for f in resolve_inputs([stdlib_glob("json")]) for _, text in read_documents(f))
     tokenizer = get_tokenizer(train_bpe(texts, 300, workdir / "bpe"))
     save_tokenizer(tokenizer, workdir / "tokenizer")
-    cfg = small_config(vocab_size=300)
-    cfg.parallel.update(stage=2, microbatches=2, data=4)
+    cfg = small_config(vocab_size=300).updated(parallel=dict(stage=2, microbatches=2, data=4))
     mesh = make_mesh(cfg.parallel)
     with jax.set_mesh(mesh):
         run = build_run(cfg, mesh)

@@ -21,7 +21,7 @@ from jaxllm.serve.server import Server
 def http_server(engine, api_keys=(), deny=(), model_name="m"):
     """Yields the server's base URL and its `Server`; the engine thread's error, if it stopped, is
     in `server.engine.failure`."""
-    settings = engine.cfg.serve
+    settings = engine.settings
     server = Server(settings, engine.limits, model_name, engine.tokenizer, ChatTemplate(), DenyList(list(deny)),
                     frozenset(api_keys), Metrics(engine.slots), engine)  # fmt: skip
     stop = threading.Event()

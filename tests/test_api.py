@@ -612,8 +612,7 @@ def test_int8_weights_and_kv_cache_answer_through_http(served, tmp_path):
     workdir, tokenizer = served["workdir"], served["tokenizer"]
     cfg = stored_config(workdir)
     params = load_params(workdir, dtype=cfg.model.dtype, quantize="int8")[1]
-    int8 = cfg.model.copy_and_resolve_references()
-    int8.quantize = "int8"
+    int8 = cfg.model.replace(quantize="int8")
     ids = tokenizer.encode(PROMPT)
     start = len(ids)
 

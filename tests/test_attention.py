@@ -51,7 +51,7 @@ def test_a_kernel_runs_on_each_devices_own_rows_and_heads():
     """Under a mesh, a kernel sees its device's batch rows and heads, and the result is the
     single-device one."""
     cfg = small_config()
-    cfg.parallel.update(data=2, fsdp=2, tensor=2)
+    cfg = cfg.updated(parallel=dict(data=2, fsdp=2, tensor=2))
     q, k, v, segment_ids, _ = _inputs(kv_heads=2, batch=4)
     seen = []
 
@@ -68,10 +68,11 @@ def test_a_kernel_runs_on_each_devices_own_rows_and_heads():
 @pytest.mark.parametrize("implementation", ["cudnn", "pallas"])
 def test_fused_kernels_are_refused_off_gpu(implementation):
     cfg = small_config()
-    cfg.parallel.update(data=8)
-    cfg.model.update(attention=implementation, dtype="bfloat16", num_kv_heads=8)
-    cfg.train.update(seq_len=128)
-    cfg.model.max_seq_len = 128
+    cfg = cfg.updated(
+        parallel=dict(data=8),
+        model=dict(attention=implementation, dtype="bfloat16", num_kv_heads=8, max_seq_len=128),
+        train=dict(seq_len=128),
+    )
     validate(cfg, 8)  # the shapes suit the kernel: only the backend is wrong
     with pytest.raises(ConfigError) as err:
         validate(cfg, 8, backend="cpu")

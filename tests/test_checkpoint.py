@@ -1,15 +1,17 @@
 """Checkpoints: restore onto other layouts, bit-exact resume after SIGKILL, corrupt and
 incompatible checkpoints, preemption, non-finite steps."""
 
+import json
 import signal
 import subprocess
+import sys
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import checkpoint_params, metrics, run, small_config, start_until_first_step, train_command
+from conftest import ROOT, checkpoint_params, metrics, run, small_config, start_until_first_step, train_command
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.checkpoint import CheckpointError, load_params
@@ -27,7 +29,7 @@ def _batch(cfg, i):
 
 def _config(**parallel):
     cfg = small_config(num_layers=8, qkv_share_every=2)  # 4 groups
-    cfg.parallel.update(parallel)
+    cfg = cfg.updated(parallel=parallel)
     return cfg
 
 
@@ -176,7 +178,7 @@ def test_corrupt_latest_checkpoint_is_reported_moved_aside_and_passed_over(tmp_p
 def test_incompatible_model_is_a_clear_error(saved):
     workdir, _ = saved
     cfg = _config(data=8)
-    cfg.model.hidden = 128
+    cfg = cfg.updated(model=dict(hidden=128))
     mesh = make_mesh(cfg.parallel)
     with jax.set_mesh(mesh), pytest.raises(ConfigError, match=r"another model shape .*'hidden': \(64, 128\)"):
         build_run(cfg, mesh).checkpointer(workdir).restore_latest()
@@ -185,16 +187,18 @@ def test_incompatible_model_is_a_clear_error(saved):
 def test_explicit_defaults_are_the_same_model_shape(saved):
     workdir, _ = saved
     cfg = _config(data=8)
-    cfg.model.head_dim = cfg.model.hidden // cfg.model.num_heads  # saved as None: the same size
+    cfg = cfg.updated(model=dict(head_dim=cfg.model.hidden // cfg.model.num_heads))  # saved as None: the same size
     mesh = make_mesh(cfg.parallel)
     with jax.set_mesh(mesh):
         assert build_run(cfg, mesh).checkpointer(workdir).restore_latest().step == 3
 
 
-def _cli(workdir, *overrides, check=True):
-    return run(
-        train_command(workdir, "--config.checkpoint.every_steps=4", "--config.parallel.data=8", *overrides), check=check
-    )
+def _cli(workdir, *overrides, faults: dict | None = None, check=True):
+    """The train command; with `faults`, run by tests/faults.py with that fault plan."""
+    command = train_command(workdir, "--config.checkpoint.every_steps=4", "--config.parallel.data=8", *overrides)
+    if faults is not None:
+        command = [sys.executable, str(ROOT / "tests" / "faults.py"), json.dumps(faults), *command[3:]]
+    return run(command, check=check)
 
 
 def _losses(workdir):
@@ -208,25 +212,25 @@ def uninterrupted(tmp_path_factory):
     return workdir
 
 
-# (flags, step the resume restores): checkpoints fall every 4 steps.
+# (fault plan, step the resume restores): checkpoints fall every 4 steps.
 KILLS = {
-    "before the first checkpoint": (["--config.debug.kill_at_step=3"], None),
+    "before the first checkpoint": ({"kill_at_step": 3}, None),
     # Checkpoints 4 and 8 hold different states; 8 is corrupted before the resume, which must move
     # it aside, restore 4 and later save a new step 8.
-    "between checkpoints, latest corrupt": (["--config.debug.kill_at_step=9"], 4),
-    "during an async save": (["--config.debug.kill_at_step=8", "--config.debug.kill_during_save=True"], 4),
+    "between checkpoints, latest corrupt": ({"kill_at_step": 9}, 4),
+    "during an async save": ({"kill_at_step": 8, "kill_during_save": True}, 4),
 }
 
 
 @pytest.mark.parametrize("kill,restores", KILLS.values(), ids=KILLS.keys())
 def test_sigkill_and_resume_is_bit_identical(uninterrupted, kill, restores):
-    workdir = uninterrupted.parent / ("killed" + "".join(k.split("=")[-1] for k in kill))
-    proc = _cli(workdir, *kill, check=False)
+    workdir = uninterrupted.parent / ("killed" + "".join(str(v) for v in kill.values()))
+    proc = _cli(workdir, faults=kill, check=False)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     directory = workdir / "checkpoints"
-    if "--config.debug.kill_during_save=True" in kill:
+    if kill.get("kill_during_save"):
         assert list(directory.glob("8.orbax-checkpoint-tmp*")), "the kill should leave a partial save of step 8"
-    if "--config.debug.kill_at_step=9" in kill:
+    if kill == {"kill_at_step": 9}:
         assert (directory / "4").is_dir()
         _corrupt(directory / "8")
     resumed = _cli(workdir)
@@ -234,7 +238,7 @@ def test_sigkill_and_resume_is_bit_identical(uninterrupted, kill, restores):
         assert "checkpoint: restored step" not in resumed.stdout
     else:
         assert f"checkpoint: restored step {restores} " in resumed.stdout
-    if "--config.debug.kill_at_step=9" in kill:
+    if kill == {"kill_at_step": 9}:
         assert (directory / "8.unreadable").is_dir() and (directory / "8").is_dir()  # moved aside, saved anew
     assert _losses(workdir) == _losses(uninterrupted)  # bit-identical, and cut back to one clean run
     chex.assert_trees_all_equal(checkpoint_params(workdir, 12), checkpoint_params(uninterrupted, 12))
@@ -256,7 +260,7 @@ def test_sigterm_saves_and_exits_cleanly(uninterrupted):
 
 def test_non_finite_steps_are_skipped_then_rolled_back(uninterrupted):
     workdir = uninterrupted.parent / "nan"
-    proc = _cli(workdir, "--config.debug.nan_at_steps=(3,6,7)", "--config.checkpoint.max_bad_steps=2")
+    proc = _cli(workdir, "--config.checkpoint.max_bad_steps=2", faults={"nan_at_steps": [3, 6, 7]})
     out = proc.stdout
     assert "step 3: non-finite loss or gradients, update skipped (1 in a row)" in out
     assert "step 7: back to the params of step 4; the batches since are skipped" in out

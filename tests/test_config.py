@@ -1,10 +1,12 @@
 """Config validation: each bad setting is refused with a message naming the field and the fix."""
 
+import dataclasses
+
 import pytest
 from conftest import small_config
 
-from jaxllm.config import ConfigError, apply_overrides, base_config, load_config, mesh_shape, validate
-from jaxllm.serve.settings import serving_config
+from jaxllm.config import ConfigError, RunConfig, apply_overrides, base_config, load_config, validate
+from jaxllm.serve.settings import ServeConfig, serving_config
 
 CASES = {
     "layers vs qkv sharing": (
@@ -109,22 +111,23 @@ CASES = {
 
 @pytest.mark.parametrize("overrides,phrases", CASES.values(), ids=CASES.keys())
 def test_bad_config_is_refused_with_field_and_fix(overrides, phrases):
-    cfg = apply_overrides(small_config(), {"parallel.data": 8, **overrides})
+    """Refused when the typed config is built, or, for what depends on the devices, by `validate`."""
     with pytest.raises(ConfigError) as err:
-        validate(cfg, num_devices=8)
+        validate(small_config().overridden({"parallel.data": 8, **overrides}), num_devices=8)
     for phrase in phrases:
         assert phrase in str(err.value), (phrase, str(err.value))
 
 
 def test_valid_configs_resolve_their_mesh():
-    assert validate(apply_overrides(small_config(), {"parallel.data": -1, "parallel.tensor": 2}), 8) == (4, 1, 1, 2)
-    assert mesh_shape(load_config("configs/tiny.py").parallel, 1) == (1, 1, 1, 1)
+    assert validate(small_config().overridden({"parallel.data": -1, "parallel.tensor": 2}), 8) == (4, 1, 1, 2)
+    assert load_config("configs/tiny.py").parallel.mesh_shape(1) == (1, 1, 1, 1)
     for name in ("1b", "8b"):
         validate(load_config(f"configs/{name}.py"), 8)
 
 
 def test_the_defaults_alone_are_a_valid_config():
-    validate(base_config(), 1)
+    validate(RunConfig(), 1)
+    assert RunConfig.from_dict(base_config()) == RunConfig()  # what users write starts from the same defaults
 
 
 def test_120b_layout_is_valid_on_64_devices():
@@ -134,6 +137,17 @@ def test_120b_layout_is_valid_on_64_devices():
 def test_missing_config_file():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("configs/nope.py")
+
+
+def test_a_config_is_frozen_hashable_and_round_trips_through_its_dict():
+    cfg = small_config().overridden(
+        {"parallel.stage": 2, "parallel.microbatches": 2, "model.rope_scaling.type": "linear"}
+    )
+    assert RunConfig.from_dict(cfg.to_dict()) == cfg and hash(RunConfig.from_dict(cfg.to_dict())) == hash(cfg)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.model.hidden = 3
+    assert (cfg.model.head_dim, cfg.model.num_kv_heads, cfg.model.groups, cfg.model.padded_vocab) == (8, 4, 2, 384)
+    assert cfg.parallel.schedule.bubble == 1 / 3
 
 
 SERVE_CASES = {
@@ -155,27 +169,34 @@ SERVE_CASES = {
 }
 
 
+def _serving(overrides: dict):
+    serve = {k[len("serve.") :]: v for k, v in overrides.items() if k.startswith("serve.")}
+    run = small_config().overridden({k: v for k, v in overrides.items() if not k.startswith("serve.")})
+    return serving_config(run, ServeConfig.from_dict(serve), local_devices=8)
+
+
 @pytest.mark.parametrize("overrides,phrases", SERVE_CASES.values(), ids=SERVE_CASES.keys())
 def test_bad_serving_config_is_refused_with_field_and_fix(overrides, phrases):
     with pytest.raises(ConfigError) as err:
-        serving_config(apply_overrides(small_config(), overrides), local_devices=8)
+        _serving(overrides)
     for phrase in phrases:
         assert phrase in str(err.value), (phrase, str(err.value))
 
 
 def test_serving_config_resolves_its_defaults():
-    trained = {"model.attention": "cudnn", "model.remat": "full", "parallel.stage": 2, "model.fp8.enabled": True}
-    trained = apply_overrides(small_config(), trained)
-    cfg = serving_config(trained, local_devices=8)  # 4 kv heads: 4 of the 8 devices split them
-    assert (cfg.serve.max_len, cfg.serve.dtype, cfg.serve.kv_dtype, cfg.serve.tensor) == (64, "float32", "float32", 4)
-    assert (cfg.model.attention, cfg.model.remat, cfg.model.fp8.enabled) == ("xla", "none", False)
-    assert [cfg.parallel[a] for a in ("data", "fsdp", "stage", "tensor")] == [1, 1, 1, 4]
-    assert not cfg.serve.prompt_nll
-    alarmed = serving_config(apply_overrides(small_config(), {"serve.ppl_alarm": 500.0}), local_devices=8)
-    assert alarmed.serve.prompt_nll  # the alarm reads the prompt's log-probs
-    assert trained.parallel.stage == 2  # the checkpoint's own config is left as it was
+    trained = {"model.attention": "cudnn", "model.remat": "full", "parallel.stage": 2, "parallel.microbatches": 2,
+               "model.fp8.enabled": True, "model.head_dim": 16}  # fmt: skip
+    served = _serving(trained)  # 4 kv heads: 4 of the 8 devices split them
+    s, m = served.settings, served.model
+    assert (s.max_len, s.dtype, s.kv_dtype, s.tensor) == (64, "float32", "float32", 4)
+    assert (m.attention, m.remat, m.fp8.enabled) == ("xla", "none", False)
+    assert served.parallel.mesh_shape(4) == (1, 1, 1, 4)
+    assert not s.prompt_nll
+    assert _serving({"serve.ppl_alarm": 500.0}).settings.prompt_nll  # the alarm reads the prompt's log-probs
 
 
 def test_unknown_override_is_refused():
     with pytest.raises(ConfigError, match="--config.serve.slot: the config has no such field"):
-        apply_overrides(base_config(), {"serve.slot": 4})
+        apply_overrides(base_config(ServeConfig), {"serve.slot": 4})
+    with pytest.raises(ConfigError, match="serve.slot: the config has no such field"):
+        ServeConfig.from_dict({"slot": 4})

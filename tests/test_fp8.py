@@ -22,7 +22,7 @@ from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.config import MESH_AXES, REMAT_POLICIES
+from jaxllm.config import REMAT_POLICIES
 from jaxllm.model import Decoder, forward, layers, params_of
 from jaxllm.model.decoder import _remat_wrappers
 from jaxllm.model.fp8 import E4M3, E5M2, fp8_projections, quantize
@@ -171,13 +171,13 @@ def _batch(cfg):
 def _fp8_config(fp8=True, **model):
     """Head dim 16: FP8 GEMMs need multiples of 16."""
     cfg = small_config(num_heads=4, num_kv_heads=2, **model)
-    cfg.model.fp8.enabled = fp8
+    cfg = cfg.updated(model=dict(fp8=dict(enabled=fp8)))
     return cfg
 
 
 def _train(cfg, steps):
     """The losses of `steps` train steps on one batch (the first at the initial params)."""
-    mesh = make_mesh(cfg.parallel, jax.devices()[: math.prod(cfg.parallel[a] for a in MESH_AXES)])
+    mesh = make_mesh(cfg.parallel, jax.devices()[: math.prod(cfg.parallel.sizes.values())])
     with jax.set_mesh(mesh):
         run = build_run(cfg, mesh)
         state, step = init_state(run), compile_train_step(run)
@@ -205,7 +205,7 @@ def fp8_single():
 @pytest.mark.parametrize("layout", [dict(tensor=2), dict(data=2, tensor=2)], ids=["tensor2", "data2xtensor2"])
 def test_fp8_trains_alike_on_every_layout(layout, fp8_single):
     cfg = _fp8_config()
-    cfg.parallel.update(layout)
+    cfg = cfg.updated(parallel=layout)
     _assert_same_training(_train(cfg, 3), fp8_single)
 
 
@@ -213,10 +213,9 @@ def test_fp8_pipeline_matches_gradient_accumulation():
     """amax is per microbatch: a pipeline of M microbatches (data-parallel inside its loop, where
     the pmax over `data` makes each microbatch's amax whole) against grad_accum_steps = M."""
     pipelined = _fp8_config()
-    pipelined.parallel.update(stage=2, microbatches=2, data=4)
+    pipelined = pipelined.updated(parallel=dict(stage=2, microbatches=2, data=4))
     accumulated = _fp8_config()
-    accumulated.parallel.update(data=4)
-    accumulated.train.grad_accum_steps = 2
+    accumulated = accumulated.updated(parallel=dict(data=4), train=dict(grad_accum_steps=2))
     _assert_same_training(_train(pipelined, 3), _train(accumulated, 3))
 
 

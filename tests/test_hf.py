@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import jax
-import ml_collections
 import numpy as np
 import openai
 import pytest
@@ -22,7 +21,7 @@ from numpy_llama import greedy, logits
 
 from jaxllm.checkpoint import load_params, write_export
 from jaxllm.checkpoint.layout import to_canonical
-from jaxllm.config import base_config, validate
+from jaxllm.config import ParallelConfig, RunConfig, validate
 from jaxllm.convert import from_hf, to_hf
 from jaxllm.data.tokenizer import get_tokenizer, save_tokenizer, train_bpe
 from jaxllm.hf.config import ConversionError, check_llama, fine_tuning_config
@@ -112,7 +111,7 @@ def hand_built(directory: pathlib.Path, **overrides) -> tuple[dict, dict]:
 
 def our_logits(path, tokens, mesh=None) -> np.ndarray:
     cfg, params, _ = load_params(path, mesh)
-    cfg.model.dtype = "float32"
+    cfg = cfg.updated(model=dict(dtype="float32"))
     return np.asarray(forward(params, tokens, cfg.model))[..., : cfg.model.vocab_size]
 
 
@@ -129,7 +128,7 @@ def test_imported_llama_computes_what_a_numpy_llama_computes(tmp_path, case):
 
 def test_sharded_import_fills_each_device_with_its_slice(tmp_path):
     hand_built(tmp_path / "hf")
-    mesh = make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=2, stage=1, tensor=4)))
+    mesh = make_mesh(ParallelConfig(data=1, fsdp=2, tensor=4))
     _, whole, _ = load_params(tmp_path / "hf")
     _, split, _ = load_params(tmp_path / "hf", mesh)
     assert not split["embed"].sharding.is_fully_replicated  # vocab over tensor: a shard straddles 300 of 384
@@ -149,7 +148,7 @@ def test_hf_to_jaxllm_to_hf_gives_back_the_same_tensors(tmp_path):
     assert {k: written[k] for k in fields} == {k: config[k] for k in fields}
 
 
-def own_export(directory: pathlib.Path, **model) -> ml_collections.ConfigDict:
+def own_export(directory: pathlib.Path, **model) -> RunConfig:
     """A jaxllm export of a random model (vocab 257, padded to 384), with a trained BPE tokenizer."""
     cfg = small_config(**{"qkv_share_every": 1, "init_std": 0.3, **model})
     params = params_of(Decoder(cfg.model, rngs=nnx.Rngs(3)))
@@ -224,7 +223,7 @@ def test_a_model_llama_cannot_express_is_refused_by_field(tmp_path, model, patte
 
 def test_int8_weights_are_refused():
     cfg = small_config(qkv_share_every=1)
-    cfg.model.quantize = "int8"
+    cfg = cfg.updated(model=dict(quantize="int8"))
     with pytest.raises(ConversionError, match="model.quantize='int8': convert the full-precision run"):
         check_llama(cfg.model)
 
@@ -394,8 +393,7 @@ def test_serve_hf_answers_through_the_openai_api(tmp_path):
 def test_fine_tuning_config_takes_the_architecture_and_refuses_a_conflicting_override(tmp_path):
     config, _ = hand_built(tmp_path / "hf")
     with_tokenizer(tmp_path / "hf")
-    cfg = base_config()
-    cfg.init.hf = str(tmp_path / "hf")
+    cfg = RunConfig().updated(init=dict(hf=str(tmp_path / "hf")))
     tuned = fine_tuning_config(cfg, {"model.remat": "full", "model.num_heads": 4})
     assert (tuned.model.hidden, tuned.model.num_kv_heads, tuned.model.qkv_share_every) == (48, 2, 1)
     assert tuned.model.rope_scaling.type == "llama3" and tuned.model.rope_theta == config["rope_theta"]
@@ -409,7 +407,7 @@ def test_fine_tuning_config_takes_the_architecture_and_refuses_a_conflicting_ove
         fine_tuning_config(cfg, {"data.tokenizer": "gpt2"})
     for weights in (tmp_path / "hf").glob("model*.safetensors"):
         weights.unlink()  # the dry run's lowering takes shapes alone: it reads no weights
-    tuned.parallel.update(data=8)
+    tuned = tuned.updated(parallel=dict(data=8))
     lower_abstract_step(tuned, make_mesh(tuned.parallel))
 
 
@@ -418,12 +416,12 @@ def test_fine_tuning_starts_from_the_llama_on_a_pipeline_mesh(tmp_path):
     and the pipelined loss equals the numpy Llama's."""
     config, tensors = hand_built(tmp_path / "hf")
     with_tokenizer(tmp_path / "hf")
-    cfg = base_config()
-    cfg.init.hf = str(tmp_path / "hf")
-    cfg = fine_tuning_config(cfg, {})
-    cfg.model.dtype = "float32"
-    cfg.parallel.update(data=2, fsdp=1, stage=2, tensor=2, microbatches=2)
-    cfg.train.update(batch_size=4, seq_len=16)
+    cfg = fine_tuning_config(RunConfig().updated(init=dict(hf=str(tmp_path / "hf"))), {})
+    cfg = cfg.updated(
+        model=dict(dtype="float32"),
+        parallel=dict(data=2, fsdp=1, stage=2, tensor=2, microbatches=2),
+        train=dict(batch_size=4, seq_len=16),
+    )
     validate(cfg, 8)
     run = build_run(cfg, make_mesh(cfg.parallel))
     with jax.set_mesh(run.mesh):
@@ -489,7 +487,7 @@ def test_transformers_llama_imports_with_equal_logits_and_greedy_tokens(tmp_path
     with torch.no_grad():
         theirs = model.generate(torch.tensor(prompt[None]), max_new_tokens=10, min_new_tokens=10, do_sample=False)
     cfg, params, _ = load_params(tmp_path / "hf")
-    cfg.model.dtype = "float32"
+    cfg = cfg.updated(model=dict(dtype="float32"))
     assert generate(params, cfg.model, list(prompt), 16) == theirs[0].tolist()
 
 
@@ -500,7 +498,7 @@ def test_transformers_llama_imports_with_equal_logits_and_greedy_tokens(tmp_path
 )  # fmt: skip
 def test_export_loads_in_transformers_with_equal_logits(tmp_path, model):
     cfg = own_export(tmp_path / "export", **model)
-    cfg.model.rope_scaling.update(type="llama3", factor=4.0, original_max_len=32)
+    cfg = cfg.updated(model=dict(rope_scaling=dict(type="llama3", factor=4.0, original_max_len=32)))
     write_export(tmp_path / "export", cfg, load_params(tmp_path / "export")[1], 7)
     to_hf(tmp_path / "export", tmp_path / "hf", expand_shared_qkv=True)
     theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()

@@ -7,7 +7,6 @@ import jax.numpy as jnp
 from conftest import small_config
 from flax import nnx
 
-from jaxllm.config import sizes
 from jaxllm.model import Decoder
 from jaxllm.model.layers import make_context
 from jaxllm.parallel.mesh import make_mesh
@@ -43,7 +42,7 @@ def _compiled_group(cfg, grad: bool, loss=jnp.sum) -> str:
 
     def run(group, x):
         x = constrain(x, *RESIDUAL)
-        ctx = make_context(tokens, None, None, sizes(cfg.model).head_dim, cfg.model.rope_theta)
+        ctx = make_context(tokens, None, None, cfg.model.head_dim, cfg.model.rope_theta)
         return loss(nnx.merge(graph, group)(x, ctx))
 
     with jax.set_mesh(mesh), activation_rules(rules_for(cfg.parallel)):
@@ -69,7 +68,7 @@ def test_tensor_parallel_backward_all_reduces_once_per_block_and_gathers_no_weig
 
 def _tp_config():
     cfg = small_config(qkv_share_every=2, num_kv_heads=8)
-    cfg.parallel.update(tensor=8, data=1)
+    cfg = cfg.updated(parallel=dict(tensor=8, data=1))
     return cfg
 
 
@@ -78,7 +77,7 @@ def test_sequence_parallel_blocks_reduce_scatter_and_all_gather_and_never_all_re
     output reduce-scattered back, in the forward pass and mirrored in the backward pass; no
     activation is all-reduced. (Squared outputs, so that no gradient is a constant XLA could fold.)"""
     cfg = _tp_config()
-    cfg.parallel.sequence_parallel = True
+    cfg = cfg.updated(parallel=dict(sequence_parallel=True))
     blocks = 2 * cfg.model.qkv_share_every
     squares = lambda out: jnp.sum(out * out)  # noqa: E731
     forward, both = _compiled_group(cfg, grad=False, loss=squares), _compiled_group(cfg, grad=True, loss=squares)

@@ -48,7 +48,7 @@ def trained(tmp_path_factory):
     save_tokenizer(tokenizer, workdir / "tokenizer")
     ids = np.concatenate([tokenizer.encode(t) for t in texts]).astype(np.int32)
     cfg = small_config(vocab_size=VOCAB, max_seq_len=SEQ)
-    cfg.train.update(seq_len=SEQ, steps=STEPS, warmup_steps=10)
+    cfg = cfg.updated(train=dict(seq_len=SEQ, steps=STEPS, warmup_steps=10))
     mesh, rng = make_mesh(cfg.parallel, jax.devices()[:1]), np.random.default_rng(0)
     with jax.set_mesh(mesh):
         run = build_run(cfg, mesh)
@@ -112,8 +112,7 @@ def test_int8_logits_and_greedy_tokens_stay_close_to_bf16(trained):
     int8_cfg, _ = serving_setup(workdir, {**SERVE, "model.quantize": "int8"})
     bf16 = _logprobs(load_params(workdir, dtype="bfloat16")[1], cfg.model, val)
     int8 = _logprobs(load_params(workdir, dtype="bfloat16", quantize="int8")[1], int8_cfg.model, val)
-    fp32_model = cfg.model.copy_and_resolve_references()
-    fp32_model.dtype = "float32"
+    fp32_model = cfg.model.replace(dtype="float32")
     fp32 = _logprobs(load_params(workdir)[1], fp32_model, val)
     error = float(jnp.abs(int8 - bf16).max())
     print(f"max |Δ log-prob|: int8 vs bf16 {error:.4f}, bf16 vs fp32 {float(jnp.abs(bf16 - fp32).max()):.4f}")

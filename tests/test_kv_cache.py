@@ -24,7 +24,7 @@ PADDED = 16
 
 def _setup(tensor: int):
     cfg = small_config(num_kv_heads=4)
-    cfg.parallel.update(data=8 // tensor, tensor=tensor)
+    cfg = cfg.updated(parallel=dict(data=8 // tensor, tensor=tensor))
     mesh = make_mesh(cfg.parallel)
     params = jax.device_put(init_params(cfg), tree_shardings(param_specs(cfg.model), mesh))
     return cfg.model, mesh, params

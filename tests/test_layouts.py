@@ -35,7 +35,7 @@ def _batch(cfg):
 def run_layout(layout: dict, steps: int = 3):
     """Initial params, loss and grads at init, and the losses of `steps` optimizer steps."""
     cfg = small_config()
-    cfg.parallel.update(layout)
+    cfg = cfg.updated(parallel=layout)
     devices = jax.devices() if math.prod(layout.values()) == 8 else jax.devices()[:1]
     mesh = make_mesh(cfg.parallel, devices)
     with jax.set_mesh(mesh):
@@ -99,7 +99,7 @@ EXPECTED_SPECS = {
 
 def test_parameter_shardings_follow_the_rules():
     cfg = small_config()
-    cfg.parallel.update(data=2, fsdp=2, tensor=2)
+    cfg = cfg.updated(parallel=dict(data=2, fsdp=2, tensor=2))
     mesh = make_mesh(cfg.parallel)
     with jax.set_mesh(mesh):
         params = init_state(build_run(cfg, mesh))["params"]
@@ -120,7 +120,7 @@ def test_init_never_holds_a_whole_parameter():
     """Under fsdp4×tensor2 every parameter is split, and the compiled init needs no more than its
     own shards plus scratch smaller than the largest single shard set."""
     cfg = small_config(hidden=256, mlp=512)
-    cfg.parallel.update(fsdp=4, tensor=2)
+    cfg = cfg.updated(parallel=dict(fsdp=4, tensor=2))
     mesh = make_mesh(cfg.parallel)
     with jax.set_mesh(mesh):
         state = init_state(build_run(cfg, mesh))
@@ -139,7 +139,7 @@ def test_init_never_holds_a_whole_parameter():
 def _moment_shard_sizes(layout: dict, zero1: bool, **model) -> list[tuple[str, int, int]]:
     """(name, elements of a param's shard, elements of its Adam moments' shard) per parameter."""
     cfg = small_config(**model)
-    cfg.parallel.update(layout, zero1=zero1)
+    cfg = cfg.updated(parallel=dict(layout, zero1=zero1))
     mesh = make_mesh(cfg.parallel)
     with jax.set_mesh(mesh):
         state = init_state(build_run(cfg, mesh))

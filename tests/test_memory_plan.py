@@ -23,9 +23,7 @@ LAYOUTS = {
 
 def _config(layout, remat):
     cfg = small_config(num_layers=8, hidden=128, num_heads=8, num_kv_heads=8, mlp=384, vocab_size=1024, remat=remat)
-    cfg.model.max_seq_len = 128
-    cfg.parallel.update(layout)
-    cfg.train.update(seq_len=128, batch_size=16)
+    cfg = cfg.updated(model=dict(max_seq_len=128), parallel=layout, train=dict(seq_len=128, batch_size=16))
     return cfg
 
 

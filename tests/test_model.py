@@ -35,7 +35,7 @@ def one_device_mesh(cfg):
 
 
 def _params_and_tokens(cfg):
-    cfg.train.seed = 3
+    cfg = cfg.updated(train=dict(seed=3))
     params = init_params(cfg)
     tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, cfg.model.vocab_size)
     return params, tokens

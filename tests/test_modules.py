@@ -21,7 +21,6 @@ from jaxllm.export import export
 from jaxllm.model import Decoder, forward, params_of
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.rules import AXIS_RULES
-from jaxllm.parallel.schedule import schedule_of
 from jaxllm.train.run import batch_sharding, build_run
 from jaxllm.train.step import compile_train_step, init_params, init_state
 
@@ -54,8 +53,7 @@ def _golden_config(name):
         return load_config("configs/tiny.py")
     model, parallel = GOLDEN_CONFIGS[name]
     cfg = small_config(**model)
-    cfg.parallel.update(parallel)
-    cfg.train.seed = 3
+    cfg = cfg.updated(parallel=parallel, train=dict(seed=3))
     return cfg
 
 
@@ -69,13 +67,13 @@ def test_module_init_ignores_rng_counters_and_equals_the_sharded_trainer_init():
     """`Decoder(model, rngs=nnx.Rngs(s), schedule=...)` after other draws from `rngs` holds the
     trainer's init with seed s, as initialised straight into the shards of an 8-device layout."""
     cfg = _golden_config("pipeline_S2_R2")
-    cfg.parallel.update(data=2, fsdp=2)
+    cfg = cfg.updated(parallel=dict(data=2, fsdp=2))
     mesh = make_mesh(cfg.parallel)
     with jax.set_mesh(mesh):
         sharded = jax.device_get(init_state(build_run(cfg, mesh))["params"])
     rngs = nnx.Rngs(cfg.train.seed)
     rngs.params(), rngs()  # draws before construction change no initial value
-    module = Decoder(cfg.model, rngs=rngs, schedule=schedule_of(cfg))
+    module = Decoder(cfg.model, rngs=rngs, schedule=cfg.parallel.schedule)
     chex.assert_trees_all_equal(params_of(module), sharded)
 
 
@@ -110,7 +108,7 @@ def test_from_params_names_what_does_not_fit():
 
 def test_flax_partition_specs_under_our_rules_are_the_trainers():
     cfg = small_config()
-    cfg.parallel.update(data=2, fsdp=2, tensor=2)
+    cfg = cfg.updated(parallel=dict(data=2, fsdp=2, tensor=2))
     module = nnx.eval_shape(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0)))
     with nnx.logical_axis_rules(AXIS_RULES):
         flax_specs = nnx.get_partition_spec(nnx.state(module, nnx.Param))

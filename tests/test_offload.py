@@ -26,7 +26,7 @@ def _batch(cfg, seed):
 
 def _train(offload: bool, steps: int = 2):
     cfg = small_config()
-    cfg.parallel.update(data=2, fsdp=2, tensor=2, offload_optimizer=offload)
+    cfg = cfg.updated(parallel=dict(data=2, fsdp=2, tensor=2, offload_optimizer=offload))
     mesh = make_mesh(cfg.parallel)
     with jax.set_mesh(mesh):
         run = build_run(cfg, mesh)
@@ -85,7 +85,7 @@ def test_offload_remat_sends_the_named_activations_to_host():
 
 def test_start_up_says_what_offload_does_on_this_platform():
     cfg = small_config(remat="offload")
-    cfg.parallel.offload_optimizer = True
+    cfg = cfg.updated(parallel=dict(offload_optimizer=True))
     cpu, gpu = offload_notes(cfg, "cpu"), offload_notes(cfg, "gpu")
     assert len(cpu) == len(gpu) == 2 and all("saves nothing here" in note for note in cpu)
     assert not any("saves nothing" in note for note in gpu)
@@ -106,9 +106,9 @@ def test_a_backend_without_pinned_host_memory_is_refused_by_name():
 
 def test_the_planner_counts_offloaded_optimizer_state_apart_from_the_device():
     cfg = small_config()
-    cfg.parallel.update(data=2, fsdp=2, tensor=2)
+    cfg = cfg.updated(parallel=dict(data=2, fsdp=2, tensor=2))
     on_device = plan.memory(cfg)
-    cfg.parallel.offload_optimizer = True
+    cfg = cfg.updated(parallel=dict(offload_optimizer=True))
     offloaded = plan.memory(cfg)
     moments = on_device["optimizer state (Adam m, v)"]
     assert moments > 0 and offloaded["optimizer state (Adam m, v)"] == 0

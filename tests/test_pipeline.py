@@ -12,11 +12,10 @@ import pytest
 from conftest import metrics, run, small_config, train_command
 from reference_model import reference_loss
 
-from jaxllm.config import sizes
 from jaxllm.model import param_specs
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.rules import activation_rules, rules_for
-from jaxllm.parallel.schedule import canonical_view, schedule_of
+from jaxllm.parallel.schedule import canonical_view
 from jaxllm.plan import hlo
 from jaxllm.train.run import batch_sharding, build_run
 from jaxllm.train.step import compile_eval_step, compile_train_step, init_state, mean_loss
@@ -45,7 +44,7 @@ CASES = {
 
 def _config(stages, microbatches, repeats, axes, **model):
     cfg = small_config(**{"num_layers": 16, "qkv_share_every": 2, **model})  # 8 groups by default
-    cfg.parallel.update(stage=stages, microbatches=microbatches, repeats=repeats, **axes)
+    cfg = cfg.updated(parallel=dict(stage=stages, microbatches=microbatches, repeats=repeats, **axes))
     return cfg
 
 
@@ -61,7 +60,7 @@ def test_pipeline_matches_sequential_loop(case):
     batch = _batch(cfg)
     with jax.set_mesh(mesh), activation_rules(rules_for(cfg.parallel)):  # as the train step does
         state = init_state(build_run(cfg, mesh))
-        loss_fn = jax.jit(jax.value_and_grad(lambda p, b: mean_loss(p, b, cfg.model, schedule_of(cfg))))
+        loss_fn = jax.jit(jax.value_and_grad(lambda p, b: mean_loss(p, b, cfg.model, cfg.parallel.schedule)))
         loss, grads = loss_fn(state["params"], jax.device_put(batch, batch_sharding(mesh)))
     params, grads = jax.device_get((state["params"], grads))
     params["groups"], grads["groups"] = canonical_view(params["groups"]), canonical_view(grads["groups"])
@@ -88,7 +87,7 @@ def _stage_weight_shapes(cfg, *, scattered: bool = False) -> Counter:
     """Per-device shape of each stage weight as the loop reads it (one stage, whole on `fsdp`), or
     with `scattered` its gradient's shard after the reduce-scatter. Shapes are compared as sorted
     dims other than 1: XLA may move or drop the stage dim, and on CPU it runs bf16 collectives in fp32."""
-    specs = param_specs(cfg.model, schedule_of(cfg))["groups"]
+    specs = param_specs(cfg.model, cfg.parallel.schedule)["groups"]
     split = {"stages": cfg.parallel.stage, "embed": cfg.parallel.fsdp if scattered else 1}
     return Counter(
         _dims(d // split.get(axis, 1) for d, axis in zip(spec.shape, spec.axes, strict=True))
@@ -121,10 +120,10 @@ def test_stage_weights_gathered_once_per_step_and_gradients_reduced_after_the_lo
     once per accumulation microstep, after the pipeline loop, never inside it."""
     accum = 2
     cfg = _config(2, 4, 2, dict(fsdp=2, tensor=1, data=2), dtype="bfloat16")
-    cfg.train.update(grad_accum_steps=accum, batch_size=32)
+    cfg = cfg.updated(train=dict(grad_accum_steps=accum, batch_size=32))
     text, _ = _compiled(cfg, compile_train_step)
     weights, grads = _stage_weight_shapes(cfg), _stage_weight_shapes(cfg, scattered=True)
-    embedding = _dims((cfg.model.hidden, sizes(cfg.model).padded_vocab // cfg.parallel.tensor))
+    embedding = _dims((cfg.model.hidden, cfg.model.padded_vocab // cfg.parallel.tensor))
     assert embedding not in weights, "the embedding's gather must not pass for a stage weight's"
     gathered = _executed_shapes(text, "all-gather")
     assert {k: gathered[k] for k in weights} == weights, "each stage weight gathered exactly once per step"
@@ -142,9 +141,9 @@ def test_head_and_loss_run_once_on_a_slice_of_the_sequence_per_stage():
     """The pipeline's output reaches the head split over `stage` along the sequence: each stage
     computes logits for 1/S of the tokens, and no device holds logits for the whole sequence."""
     cfg = _config(2, 2, 1, dict(tensor=2, data=2))
-    cfg.train.seq_len = 32
+    cfg = cfg.updated(train=dict(seq_len=32))
     text, _ = _compiled(cfg, compile_eval_step, lambda state: state["params"])
-    rows, vocab = cfg.train.batch_size // cfg.parallel.data, sizes(cfg.model).padded_vocab // cfg.parallel.tensor
+    rows, vocab = cfg.train.batch_size // cfg.parallel.data, cfg.model.padded_vocab // cfg.parallel.tensor
     assert f"f32[{rows},{cfg.train.seq_len // 2},{vocab}]" in text, "logits for half the sequence per stage"
     assert f"f32[{rows},{cfg.train.seq_len},{vocab}]" not in text, "logits for the whole sequence on a stage"
 
@@ -157,8 +156,9 @@ def test_circular_schedule_needs_no_more_memory_than_gpipe():
     temporaries = {}
     for repeats in (1, 2):
         cfg = small_config(num_layers=8, qkv_share_every=1, hidden=256, mlp=256, num_heads=4, num_kv_heads=4)
-        cfg.parallel.update(stage=4, microbatches=16, repeats=repeats, data=2)
-        cfg.train.update(batch_size=128, seq_len=64)
+        cfg = cfg.updated(
+            parallel=dict(stage=4, microbatches=16, repeats=repeats, data=2), train=dict(batch_size=128, seq_len=64)
+        )
         _, memory = _compiled(cfg, compile_train_step)
         temporaries[repeats] = memory.temp_size_in_bytes
     assert temporaries[2] <= 1.2 * temporaries[1], temporaries
@@ -178,8 +178,7 @@ def _scan_carries(jaxpr):
 
 def _bf16_grads(layout):
     cfg = small_config(num_layers=8, qkv_share_every=2, dtype="bfloat16")
-    cfg.train.update(batch_size=64, seq_len=16)
-    cfg.parallel.update(layout)
+    cfg = cfg.updated(train=dict(batch_size=64, seq_len=16), parallel=layout)
     mesh = make_mesh(cfg.parallel)
     with jax.set_mesh(mesh):
         run_ = build_run(cfg, mesh)
@@ -202,7 +201,7 @@ def test_bf16_pipeline_gradients_match_unpipelined_and_add_up_in_fp32():
     errors = jax.tree.map(lambda g, w: float(np.linalg.norm(g - w) / np.linalg.norm(w)), got, want)
     assert max(jax.tree.leaves(errors)) <= 1e-2, errors
     carries = list(_scan_carries(jaxpr.jaxpr))
-    specs = param_specs(cfg.model, schedule_of(cfg))["groups"]
+    specs = param_specs(cfg.model, cfg.parallel.schedule)["groups"]
     for spec in jax.tree.leaves(specs, is_leaf=lambda x: hasattr(x, "axes")):
         r, _, *rest = spec.shape  # the loop's per-stage weight: [repeats, groups per stage, ...]
         shape = (r, *rest)
@@ -224,7 +223,7 @@ def test_bf16_compute_trains_like_fp32(layout):
     losses = {}
     for dtype in ("float32", "bfloat16"):
         cfg = small_config(num_layers=8, qkv_share_every=2, dtype=dtype)
-        cfg.parallel.update(layout)
+        cfg = cfg.updated(parallel=layout)
         mesh = make_mesh(cfg.parallel)
         with jax.set_mesh(mesh):
             state = init_state(build_run(cfg, mesh))

@@ -16,10 +16,9 @@ from conftest import ROOT, small_config
 from test_layouts import LAYOUTS
 
 from jaxllm import plan
-from jaxllm.config import apply_overrides, base_config, load_config, validate
+from jaxllm.config import ModelConfig, Schedule, load_config, validate
 from jaxllm.model.cache import KVCache
 from jaxllm.parallel.mesh import make_mesh
-from jaxllm.parallel.schedule import Schedule
 from jaxllm.plan.comm import by_kind, communication
 from jaxllm.plan.estimate import estimate, link_bandwidth
 from jaxllm.plan.hardware import ACCELERATORS
@@ -36,10 +35,9 @@ MEGATRON_TABLE_1 = [(32, 4096, 36, 7.5), (80, 10240, 60, 76.1), (128, 20480, 105
 
 @pytest.mark.parametrize("heads, hidden, layers, billions", MEGATRON_TABLE_1)
 def test_parameters_match_megatron_table_1_under_its_convention(heads, hidden, layers, billions):
-    model = base_config().model
-    model.update(num_layers=layers, hidden=hidden, num_heads=heads, num_kv_heads=heads, mlp=4 * hidden,
-                 vocab_size=51200, mlp_activation="gelu", norm="layernorm", tie_embeddings=True,
-                 qkv_share_every=1)  # fmt: skip
+    model = ModelConfig(num_layers=layers, hidden=hidden, num_heads=heads, num_kv_heads=heads, mlp=4 * hidden,
+                        vocab_size=51200, mlp_activation="gelu", norm="layernorm", tie_embeddings=True,
+                        qkv_share_every=1)  # fmt: skip
     ours = plan.param_counts(model)["total"]
     theirs = ours + sum(megatron_extras(model, 2048).values())
     tolerance = 0.005 * billions + 0.05
@@ -50,10 +48,11 @@ def test_parameters_match_megatron_table_1_under_its_convention(heads, hidden, l
 
 def _comm_config(layout: dict):
     cfg = small_config(num_layers=8, hidden=128, num_heads=8, num_kv_heads=8, mlp=384, vocab_size=1024, remat="full")
-    cfg.model.max_seq_len = 128
+    cfg = cfg.updated(model=dict(max_seq_len=128))
     layout = dict(layout)
-    cfg.train.update(seq_len=128, batch_size=16, grad_accum_steps=layout.pop("grad_accum_steps", 1))
-    cfg.parallel.update(layout)
+    cfg = cfg.updated(
+        train=dict(seq_len=128, batch_size=16, grad_accum_steps=layout.pop("grad_accum_steps", 1)), parallel=layout
+    )
     return cfg
 
 
@@ -78,7 +77,7 @@ def test_communication_matches_the_compiled_step(layout):
 
 def test_memory_estimate_is_within_15_percent_of_the_compiler_for_the_tiny_config():
     cfg = load_config("configs/tiny.py")
-    cfg.parallel.data = 1
+    cfg = cfg.updated(parallel=dict(data=1))
     compiled = lower_abstract_step(cfg, make_mesh(cfg.parallel, jax.devices()[:1])).compile(compiler_options=AS_ON_GPU)
     assert 0.85 <= plan.memory(cfg)["total"] / peak_bytes(compiled.memory_analysis()) <= 1.15
 
@@ -117,8 +116,7 @@ def test_estimate_moves_with_the_hardware_and_the_layout():
     a100, h100 = (estimate(cfg, ACCELERATORS[k]) for k in ("a100-80gb", "h100-80gb"))
     assert math.isclose(a100.compute / h100.compute, 989 / 312)  # compute-bound part scales with peak FLOP/s
     assert 450 / 300 < a100.exposed / h100.exposed < 50 / 25  # tensor on NVLink 3 vs 4, stage on HDR vs NDR
-    fp8 = cfg.copy_and_resolve_references()
-    fp8.model.fp8.enabled = True  # the H100's FP8 peak is 1979 TFLOP/s; the A100 has no FP8
+    fp8 = cfg.updated(model=dict(fp8=dict(enabled=True)))  # the H100's FP8 peak is 1979 TFLOP/s; the A100 has none
     assert estimate(fp8, ACCELERATORS["h100-80gb"]).compute == pytest.approx(h100.compute * 989 / 1979)
     assert estimate(fp8, ACCELERATORS["a100-80gb"]).compute == pytest.approx(a100.compute)
 
@@ -142,7 +140,7 @@ def test_search_lists_the_120b_layout_among_those_that_fit_64_a100s(tmp_path):
     assert len(rows) == 4  # the top 3 and this config's
     for row in rows:  # each row's overrides give a config that passes the checks on 64 devices
         fields = dict(o.removeprefix("--config.").split("=") for o in row.split())
-        validate(apply_overrides(cfg.copy_and_resolve_references(), {k: _value(v) for k, v in fields.items()}), 64)
+        validate(cfg.overridden({k: _value(v) for k, v in fields.items()}), 64)
     assert "total, Megatron-LM" in out and "fits one A100" in out
     assert picture.stat().st_size > 10_000
 

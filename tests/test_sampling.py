@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.config import ConfigError, base_config, validate
+from jaxllm.config import ConfigError, RunConfig
 from jaxllm.model.sampling import Sampling, sample
 
 PROBS = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
@@ -78,7 +78,5 @@ def test_a_request_draws_the_same_alone_or_among_others():
 
 @pytest.mark.parametrize("field,value", [("sample_top_p", 0.0), ("sample_top_p", 1.5), ("sample_temperature", -1.0)])
 def test_bad_sample_settings_are_refused(field, value):
-    cfg = base_config()
-    cfg.train[field] = value
     with pytest.raises(ConfigError, match="0 < top_p <= 1"):
-        validate(cfg, 1)
+        RunConfig().updated(train={field: value})

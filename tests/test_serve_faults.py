@@ -166,7 +166,7 @@ def test_failed_decode_steps_restart_the_engine_until_too_many_fail_in_a_row(tra
 def test_requests_past_their_deadline_end_with_an_error_and_free_their_slots(engine, monkeypatch):
     """With slow steps, running and queued requests outlive serve.request_timeout_s: each ends
     with a timeout naming the setting, long before its tokens were done, and the slots are free."""
-    monkeypatch.setitem(engine.cfg.serve, "request_timeout_s", 0.5)
+    monkeypatch.setattr(engine, "settings", engine.settings.replace(request_timeout_s=0.5))
     _slow_steps(engine, monkeypatch, 0.02)
     running = engine.submit(_greedy([5, 6], 200, n=SLOTS))  # 200 steps: at least 4 s
     queued = engine.submit(_greedy([7]))
@@ -182,7 +182,7 @@ def test_requests_past_their_deadline_end_with_an_error_and_free_their_slots(eng
 def test_no_read_of_a_generation_waits_past_its_deadline(engine, monkeypatch):
     """With no engine stepping at all, reading a request (whole, or its deltas) gives up a grace
     period after its deadline."""
-    monkeypatch.setitem(engine.cfg.serve, "request_timeout_s", 0.2)
+    monkeypatch.setattr(engine, "settings", engine.settings.replace(request_timeout_s=0.2))
     monkeypatch.setattr(generation_module, "READ_GRACE_S", 0.2)
     generation = engine.submit(_greedy([5]))
     with pytest.raises(TimeoutError, match=f"request {generation.id} has not finished"):
@@ -252,7 +252,7 @@ def test_over_http_a_failing_request_is_a_500_naming_it_and_the_others_are_serve
 
 
 def test_over_http_a_request_past_its_deadline_is_a_504_or_an_error_event(engine, monkeypatch):
-    monkeypatch.setitem(engine.cfg.serve, "request_timeout_s", 0.5)
+    monkeypatch.setattr(engine, "settings", engine.settings.replace(request_timeout_s=0.5))
     _slow_steps(engine, monkeypatch, 0.02)
     body = {"model": "m", "prompt": [5, 6], "max_tokens": 200, "ignore_eos": True}
     with http_server(engine) as (url, _):
@@ -268,7 +268,7 @@ def test_over_http_a_request_past_its_deadline_is_a_504_or_an_error_event(engine
 
 
 def test_a_body_that_comes_too_slowly_is_a_408(engine, monkeypatch):
-    monkeypatch.setitem(engine.cfg.serve, "body_timeout_s", 0.5)
+    monkeypatch.setattr(engine, "settings", engine.settings.replace(body_timeout_s=0.5))
     with http_server(engine) as (url, _):
         connection = _connect(url)
         connection.putrequest("POST", "/v1/completions")

@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import cli_data_flags, metrics, run, small_config, train_command
+from faults import poisoned
 
 from jaxllm.config import REMAT_POLICIES
 from jaxllm.data.tokenizer import load_saved_tokenizer
@@ -39,10 +40,9 @@ def _one_step(cfg):
 
 def test_gradient_accumulation_equals_one_big_batch():
     cfg = small_config()
-    cfg.parallel.update(data=2, tensor=4)
-    cfg.train.batch_size = 16
+    cfg = cfg.updated(parallel=dict(data=2, tensor=4), train=dict(batch_size=16))
     want = _one_step(cfg)
-    cfg.train.grad_accum_steps = 4
+    cfg = cfg.updated(train=dict(grad_accum_steps=4))
     got = _one_step(cfg)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
@@ -51,15 +51,14 @@ def test_gradient_accumulation_equals_one_big_batch():
 
 def test_remat_policies_give_the_same_gradients():
     cfg = small_config()
-    cfg.parallel.update(fsdp=2, tensor=4)
+    cfg = cfg.updated(parallel=dict(fsdp=2, tensor=4))
     mesh = make_mesh(cfg.parallel)
     results = {}
     with jax.set_mesh(mesh):
         params = init_state(build_run(cfg, mesh))["params"]
         batch = jax.device_put(_batch(cfg), batch_sharding(mesh))
         for policy in REMAT_POLICIES:
-            cfg.model.remat = policy
-            model = cfg.model.copy_and_resolve_references()
+            model = cfg.model.replace(remat=policy)
             results[policy] = jax.jit(jax.value_and_grad(lambda p, b, m=model: mean_loss(p, b, m)))(params, batch)
     for policy, (loss, grads) in results.items():
         np.testing.assert_allclose(loss, results["none"][0], rtol=1e-6, err_msg=policy)
@@ -73,12 +72,11 @@ def test_remat_policies_keep_less_in_order():
     every activation, dots the matmul outputs, selective the named ones, full each layer's input,
     group one input per shared-QKV group."""
     cfg = small_config(num_layers=8, qkv_share_every=2)
-    cfg.train.update(seq_len=64, batch_size=2)
+    cfg = cfg.updated(train=dict(seq_len=64, batch_size=2))
     params, batch = init_params(cfg), _batch(cfg)
     temporaries = {}
     for policy in ("none", "dots", "selective", "full", "group"):
-        cfg.model.remat = policy
-        model = cfg.model.copy_and_resolve_references()
+        model = cfg.model.replace(remat=policy)
         grad = jax.jit(jax.grad(lambda p, m=model: mean_loss(p, batch, m))).lower(params).compile()
         temporaries[policy] = grad.memory_analysis().temp_size_in_bytes
     sizes = list(temporaries.values())
@@ -184,15 +182,15 @@ def test_cli_reports_config_errors_clearly(tmp_path):
 
 def test_non_finite_step_leaves_params_and_optimizer_untouched():
     cfg = small_config()
-    cfg.parallel.update(data=8)
-    cfg.debug.nan_at_steps = (1,)
+    cfg = cfg.updated(parallel=dict(data=8))
     mesh = make_mesh(cfg.parallel)
     with jax.set_mesh(mesh):
         state = init_state(build_run(cfg, mesh))
         before = jax.device_get({k: state[k] for k in ("params", "opt_state")})  # the step donates `state`
         step = compile_train_step(build_run(cfg, mesh))
-        batch = jax.device_put(_batch(cfg), batch_sharding(mesh))
-        state, metrics = step(state, batch)
+        clean = _batch(cfg) | {"loss_mask": np.ones((cfg.train.batch_size, cfg.train.seq_len), np.float32)}
+        state, metrics = step(state, jax.device_put(poisoned(clean), batch_sharding(mesh)))
+        batch = jax.device_put(clean, batch_sharding(mesh))
         assert int(metrics["skipped"]) == 1 and not np.isfinite(float(metrics["loss"]))
         assert int(state["step"]) == 1
         chex.assert_trees_all_equal(jax.device_get({k: state[k] for k in ("params", "opt_state")}), before)
@@ -253,7 +251,7 @@ def _reference_optimizer(train) -> optax.GradientTransformation:
 
 def test_three_training_steps_equal_an_independently_written_optimizer():
     cfg = small_config()
-    cfg.train.update(steps=4, warmup_steps=1, lr=1e-2, weight_decay=0.5, clip_norm=0.05)  # step 3 decays
+    cfg = cfg.updated(train=dict(steps=4, warmup_steps=1, lr=1e-2, weight_decay=0.5, clip_norm=0.05))  # step 3 decays
     mesh = make_mesh(cfg.parallel, jax.devices()[:1])
     batches = [_batch(cfg, seed) for seed in range(3)]
     with jax.set_mesh(mesh):

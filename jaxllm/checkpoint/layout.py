@@ -7,10 +7,8 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-import ml_collections
-
-from jaxllm.config import ConfigError, sizes
-from jaxllm.parallel.schedule import Schedule, canonical_view, pipeline_view
+from jaxllm.config import ConfigError, ModelConfig, Schedule
+from jaxllm.parallel.schedule import canonical_view, pipeline_view
 
 
 def _map_groups(fn, tree):
@@ -33,16 +31,15 @@ def from_canonical(tree: Any, schedule: Schedule | None) -> Any:
     return tree if schedule is None else _map_groups(partial(pipeline_view, schedule=schedule), tree)
 
 
-def _model_fields(model: ml_collections.ConfigDict) -> dict:
-    """What makes parameters compatible: the model's shape (not dtype or remat), with defaults
-    resolved, so an explicit head_dim or num_kv_heads equal to its default is the same shape."""
-    keep = ("num_layers", "hidden", "num_heads", "mlp", "vocab_size", "vocab_pad_multiple", "qkv_share_every",
-            "norm", "mlp_activation", "tie_embeddings")  # fmt: skip
-    s = sizes(model)
-    return {k: model[k] for k in keep} | {"num_kv_heads": s.kv_heads, "head_dim": s.head_dim}
+def _model_fields(model: ModelConfig) -> dict:
+    """What makes parameters compatible: the model's shape (not dtype or remat); head_dim and
+    num_kv_heads are resolved, so an explicit one equal to its default is the same shape."""
+    keep = ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "mlp", "vocab_size",
+            "vocab_pad_multiple", "qkv_share_every", "norm", "mlp_activation", "tie_embeddings")  # fmt: skip
+    return {k: getattr(model, k) for k in keep}
 
 
-def check_same_shape(saved: ml_collections.ConfigDict, model: ml_collections.ConfigDict, where: str) -> None:
+def check_same_shape(saved: ModelConfig, model: ModelConfig, where: str) -> None:
     """Refuses parameters saved for another model shape, naming the fields that differ."""
     have, want = _model_fields(saved), _model_fields(model)
     if have != want:

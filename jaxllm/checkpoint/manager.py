@@ -12,14 +12,12 @@ step again; every process skips the same steps.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import time
 from functools import partial
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
@@ -27,9 +25,8 @@ from jax.sharding import Mesh
 
 import jaxllm
 from jaxllm.checkpoint.layout import check_same_shape, from_canonical, to_canonical
-from jaxllm.config import with_defaults
+from jaxllm.config import ModelConfig, RunConfig
 from jaxllm.errors import JaxllmError
-from jaxllm.parallel.schedule import schedule_of
 
 State = dict[str, Any]
 # What a damaged or partial checkpoint raises while being read (TensorStore and JSON decoding,
@@ -41,7 +38,7 @@ class CheckpointError(JaxllmError):
     """Checkpoints that cannot serve this run; the message says which and what to do."""
 
 
-def saved_config(workdir: str | pathlib.Path, step: int | None = None) -> ml_collections.ConfigDict:
+def saved_config(workdir: str | pathlib.Path, step: int | None = None) -> RunConfig:
     """The config stored with checkpoint `step` (default: the latest) of `workdir`."""
     manager = ocp.CheckpointManager(pathlib.Path(workdir).absolute() / "checkpoints", item_names=("meta",))
     step = manager.latest_step() if step is None else step
@@ -49,7 +46,7 @@ def saved_config(workdir: str | pathlib.Path, step: int | None = None) -> ml_col
         raise CheckpointError(f"{workdir} has no checkpoints; pass the --workdir of a training run")
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     manager.close()
-    return with_defaults(meta["config"])
+    return RunConfig.from_dict(meta["config"])
 
 
 @dataclasses.dataclass
@@ -74,13 +71,13 @@ class Checkpointer:
     def __init__(
         self,
         workdir: str | pathlib.Path,
-        cfg: ml_collections.ConfigDict,
+        cfg: RunConfig,
         mesh: Mesh,
         canonical: State,
         shardings: State,
     ):
         self.cfg, self.mesh, self.canonical, self.shardings = cfg, mesh, canonical, shardings
-        self.schedule = schedule_of(cfg)
+        self.schedule = cfg.parallel.schedule
         c = cfg.checkpoint
         options = ocp.CheckpointManagerOptions(
             max_to_keep=c.keep,
@@ -109,7 +106,7 @@ class Checkpointer:
             "step": step,
             "version": jaxllm.__version__,
             "mesh": dict(self.mesh.shape),
-            "config": json.loads(self.cfg.to_json_best_effort()),
+            "config": self.cfg.to_dict(),
         }
         self.manager.save(
             step,
@@ -137,7 +134,7 @@ class Checkpointer:
             try:
                 meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
                 where = f"the checkpoint at step {step} in {self.directory}"
-                check_same_shape(ml_collections.ConfigDict(meta["config"]["model"]), self.cfg.model, where)
+                check_same_shape(ModelConfig.from_dict(meta["config"]["model"]), self.cfg.model, where)
                 restored = self.manager.restore(
                     step,
                     args=ocp.args.Composite(

@@ -13,12 +13,11 @@ import pathlib
 from typing import Any
 
 import jax
-import ml_collections
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from jaxllm.checkpoint.manager import UNREADABLE, CheckpointError, saved_config
-from jaxllm.config import with_defaults
+from jaxllm.config import ModelConfig, ParallelConfig, RunConfig
 from jaxllm.hf.config import is_hf_dir
 from jaxllm.hf.directory import read_hf_params, stored_hf_config
 from jaxllm.model.decoder import param_specs
@@ -42,7 +41,7 @@ def _is_int8(node: Any) -> bool:
     return isinstance(node, dict) and set(node) == {"q", "scale"} and all(map(is_spec, node.values()))
 
 
-def _quantized(params: dict, model: ml_collections.ConfigDict, mesh: Mesh, dtype: Any) -> dict:
+def _quantized(params: dict, model: ModelConfig, mesh: Mesh, dtype: Any) -> dict:
     """`params` with each dense projection in int8 (see `model/int8.py`; one already in int8 is kept)
     and the rest cast to `dtype`, placed on `mesh` by the rules table."""
     specs = param_specs(int8_model(model))
@@ -75,14 +74,20 @@ def _steps(path: pathlib.Path, step: int | None) -> list[int]:
     return steps
 
 
-def stored_config(path: str | pathlib.Path) -> ml_collections.ConfigDict:
+def _export_config(path: pathlib.Path) -> tuple[RunConfig, int]:
+    """An export's config, and the step it was exported from."""
+    stored = json.loads((path / "config.json").read_text())
+    return RunConfig.from_dict({k: v for k, v in stored.items() if k != "export_step"}), stored.get("export_step", -1)
+
+
+def stored_config(path: str | pathlib.Path) -> RunConfig:
     """The config of an export, a Hugging Face Llama, or a training run's latest checkpoint whose
     metadata reads."""
     path = pathlib.Path(path).absolute()
     if is_hf_dir(path):
         return stored_hf_config(path)
     if _is_export(path):
-        return with_defaults(json.loads((path / "config.json").read_text()))
+        return _export_config(path)[0]
     steps = _steps(path, None)
     for step in steps:
         try:
@@ -99,7 +104,7 @@ def load_params(
     step: int | None = None,
     quantize: str | None = None,
     only: tuple[str, ...] | None = None,
-) -> tuple[ml_collections.ConfigDict, dict, int]:
+) -> tuple[RunConfig, dict, int]:
     """(config, params, step) from an export directory, a Hugging Face Llama directory (step 0)
     or a training run's workdir (its latest checkpoint that reads back, or `step`). Params land
     in `mesh`'s shardings (default: the first device), cast to `dtype` (default: the config's
@@ -108,21 +113,20 @@ def load_params(
     read as they are) and the config says so. With `only` (a parameter's path, e.g. ("embed",)),
     the params hold that one parameter (not with `quantize`)."""
     path = pathlib.Path(path).absolute()
-    mesh = mesh or make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=1, stage=1, tensor=1)), jax.devices()[:1])
+    mesh = mesh or make_mesh(ParallelConfig(data=1), jax.devices()[:1])
     if quantize is None:
         return _read_params(path, mesh, dtype, step, only)
     if only is not None:
         raise ValueError("load_params reads one parameter (only=) in full precision; drop quantize")
     cfg, params, step = _read_params(path, mesh, None, step)
     params = _quantized(params, cfg.model, mesh, dtype or cfg.model.param_dtype)
-    cfg.model.quantize = quantize
-    return cfg, params, step
+    return cfg.updated(model=dict(quantize=quantize)), params, step
 
 
 def _read_params(
     path: pathlib.Path, mesh: Mesh, dtype: Any, step: int | None, only: tuple[str, ...] | None = None
-) -> tuple[ml_collections.ConfigDict, dict, int]:
-    def target_of(cfg: ml_collections.ConfigDict) -> dict:
+) -> tuple[RunConfig, dict, int]:
+    def target_of(cfg: RunConfig) -> dict:
         target = abstract_params(param_specs(cfg.model), mesh, dtype or cfg.model.param_dtype)
         if only is None:
             return target
@@ -135,8 +139,8 @@ def _read_params(
         cfg = stored_config(path)
         return cfg, read_hf_params(path, cfg.model, target_of(cfg)), 0
     if _is_export(path):
-        cfg = stored_config(path)
-        return cfg, _restore(path / "params", target_of(cfg)), cfg.get("export_step", -1)
+        cfg, step = _export_config(path)
+        return cfg, _restore(path / "params", target_of(cfg)), step
     steps = _steps(path, step)
     for step in steps:
         try:
@@ -156,13 +160,11 @@ def _restore(directory: pathlib.Path, target: dict) -> dict:
     return ocp.PyTreeCheckpointer().restore(directory, args=args)
 
 
-def write_export(out: str | pathlib.Path, cfg: ml_collections.ConfigDict, params: dict, step: int) -> None:
+def write_export(out: str | pathlib.Path, cfg: RunConfig, params: dict, step: int) -> None:
     """Saves `params` one array at a time and uncompressed: each array in flight holds a copy in
     host memory until written (all of them at once, by default), and weights barely compress."""
     out = pathlib.Path(out).absolute()
     one_at_a_time = (max(a.nbytes for a in jax.tree.leaves(params)) + 1) / 1e9
     handler = ocp.PyTreeCheckpointHandler(use_compression=False, save_concurrent_gb=one_at_a_time)
     ocp.Checkpointer(handler).save(out / "params", args=ocp.args.PyTreeSave(params), force=True)
-    exported = cfg.copy_and_resolve_references()
-    exported.export_step = step
-    (out / "config.json").write_text(exported.to_json_best_effort(indent=2))
+    (out / "config.json").write_text(json.dumps(cfg.to_dict() | {"export_step": step}, indent=2))

@@ -7,11 +7,10 @@ import dataclasses
 import pathlib
 
 import jax
-import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxllm.config import ConfigError
+from jaxllm.config import ConfigError, DataConfig, ModelConfig, RunConfig
 from jaxllm.data.corpus import read_documents, resolve_inputs
 from jaxllm.data.prepare import prepare, read_meta
 from jaxllm.data.tokenizer import Tokenizer, get_tokenizer, train_bpe
@@ -24,11 +23,11 @@ class Data:
     tokens_dir: pathlib.Path
 
 
-def _inputs(data: ml_collections.ConfigDict) -> list[str]:
+def _inputs(data: DataConfig) -> list[str]:
     return [p.strip() for p in data.inputs.split(",") if p.strip()]
 
 
-def _tokenizer_spec(data: ml_collections.ConfigDict, directory: pathlib.Path) -> str:
+def _tokenizer_spec(data: DataConfig, directory: pathlib.Path) -> str:
     """The tokenizer named by `data.tokenizer`; 'bpe' trains one on the inputs the first time."""
     if data.tokenizer != "bpe":
         return data.tokenizer
@@ -40,7 +39,7 @@ def _tokenizer_spec(data: ml_collections.ConfigDict, directory: pathlib.Path) ->
     return str(path)
 
 
-def _check(tokenizer: Tokenizer, tokens_dir: pathlib.Path, model: ml_collections.ConfigDict) -> None:
+def _check(tokenizer: Tokenizer, tokens_dir: pathlib.Path, model: ModelConfig) -> None:
     if tokenizer.vocab_size > model.vocab_size:
         raise ConfigError(
             f"model.vocab_size={model.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size} tokens "
@@ -54,7 +53,7 @@ def _check(tokenizer: Tokenizer, tokens_dir: pathlib.Path, model: ml_collections
         )
 
 
-def prepare_data(cfg: ml_collections.ConfigDict) -> Data:
+def prepare_data(cfg: RunConfig) -> Data:
     """Runs once per run, before any step. Process 0 trains the tokenizer and prepares the shards;
     the other processes wait for it, then check the same things."""
     directory = pathlib.Path(cfg.data.dir)

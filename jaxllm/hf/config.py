@@ -7,9 +7,7 @@ import json
 import pathlib
 from typing import Any
 
-import ml_collections
-
-from jaxllm.config import sizes
+from jaxllm.config import ModelConfig, RunConfig
 from jaxllm.errors import JaxllmError
 
 # HF rope_type → model.rope_scaling.type, and the fields each needs; the others (dynamic, yarn,
@@ -116,7 +114,7 @@ def model_fields(hf: dict, source: str) -> dict[str, Any]:
     )
 
 
-def check_llama(model: ml_collections.ConfigDict, expand_shared_qkv: bool = False) -> None:
+def check_llama(model: ModelConfig, expand_shared_qkv: bool = False) -> None:
     """Refuses a model the Llama architecture cannot express, naming the field. With
     `expand_shared_qkv`, a shared QKV is allowed: each layer gets its group's copy."""
     fix = "the Llama architecture has no other; such a model cannot be written as a LlamaForCausalLM"
@@ -134,9 +132,9 @@ def check_llama(model: ml_collections.ConfigDict, expand_shared_qkv: bool = Fals
         )
 
 
-def hf_config(model: ml_collections.ConfigDict, dtype: str, bos_id: int, eos_id: int) -> dict[str, Any]:
+def hf_config(model: ModelConfig, dtype: str, bos_id: int, eos_id: int) -> dict[str, Any]:
     """The `config.json` of `model` as a LlamaForCausalLM (see `check_llama`), weights in `dtype`."""
-    s, scaling = sizes(model), model.rope_scaling
+    s, scaling = model, model.rope_scaling
     rope = {"rope_type": "default", "rope_theta": model.rope_theta}
     if scaling.type != "none":
         rope.update(rope_type=scaling.type, factor=scaling.factor)
@@ -151,7 +149,7 @@ def hf_config(model: ml_collections.ConfigDict, dtype: str, bos_id: int, eos_id:
         "intermediate_size": model.mlp,
         "num_hidden_layers": model.num_layers,
         "num_attention_heads": model.num_heads,
-        "num_key_value_heads": s.kv_heads,
+        "num_key_value_heads": s.num_kv_heads,
         "head_dim": s.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": model.norm_eps,
@@ -170,7 +168,7 @@ def hf_config(model: ml_collections.ConfigDict, dtype: str, bos_id: int, eos_id:
     }
 
 
-def fine_tuning_config(cfg: ml_collections.ConfigDict, overrides: dict[str, Any]) -> ml_collections.ConfigDict:
+def fine_tuning_config(cfg: RunConfig, overrides: dict[str, Any]) -> RunConfig:
     """`cfg` made to fine-tune the Llama at `cfg.init.hf`: its architecture from its config.json
     (a command-line override that disagrees is refused), its tokenizer, and prepared data of its
     own (`data.dir` gains the model's name unless overridden). `overrides`: the dotted fields the
@@ -188,9 +186,7 @@ def fine_tuning_config(cfg: ml_collections.ConfigDict, overrides: dict[str, Any]
                               f"({hf / 'tokenizer.json'}); drop the override")  # fmt: skip
     if not (hf / "tokenizer.json").is_file():
         raise ConversionError(f"init.hf={hf} has no tokenizer.json; fine-tuning needs the model's own tokenizer")
-    cfg = cfg.copy_and_resolve_references()
-    cfg.model.update(fields)
-    cfg.init.hf, cfg.data.tokenizer = str(hf), str(hf / "tokenizer.json")
+    data = {"tokenizer": str(hf / "tokenizer.json")}
     if "data.dir" not in overrides:
-        cfg.data.dir = f"{cfg.data.dir}-{hf.name}"
-    return cfg
+        data["dir"] = f"{cfg.data.dir}-{hf.name}"
+    return cfg.updated(model=fields, init=dict(hf=str(hf)), data=data)

@@ -10,45 +10,38 @@ import pathlib
 from collections.abc import Callable
 
 import jax
-import ml_collections
 
-from jaxllm.config import base_config, sizes
+from jaxllm.config import ModelConfig, RunConfig
 from jaxllm.data.tokenizer import HFTokenizer, Tokenizer
 from jaxllm.hf.config import ConversionError, hf_config, model_fields, read_json
 from jaxllm.hf.files import SAFETENSORS_DTYPES, WeightFiles
 from jaxllm.hf.tensors import read_params, rules, write_hf_weights
 
 DTYPES = {code: name for name, code in SAFETENSORS_DTYPES.items()}
-# A slot's default length when serving (serve.max_len): Llama 3's 131,072 positions would give every
-# slot a KV cache of gigabytes; --config.serve.max_len sets another.
-SERVE_MAX_LEN = 8192
 
 
-def stored_hf_config(path: str | pathlib.Path) -> ml_collections.ConfigDict:
+def stored_hf_config(path: str | pathlib.Path) -> RunConfig:
     """A full jaxllm config for the Llama at `path`: its architecture from config.json, its
-    params stored in its weights' dtype, slots of at most `SERVE_MAX_LEN` tokens when served,
-    everything else the defaults."""
+    params stored in its weights' dtype, its own tokenizer, everything else the defaults."""
     path = pathlib.Path(path)
-    cfg = base_config()
-    cfg.model.update(model_fields(read_json(path / "config.json"), str(path / "config.json")))
+    fields = model_fields(read_json(path / "config.json"), str(path / "config.json"))
     files = WeightFiles(path)
     stored = files.dtype.get("model.embed_tokens.weight")
     if stored not in DTYPES:
         raise ConversionError(f"{path}: model.embed_tokens.weight is stored as {stored}; jaxllm reads weights "
                               f"stored as {sorted(DTYPES)}")  # fmt: skip
-    cfg.model.param_dtype = DTYPES[stored]
-    cfg.serve.max_len = min(cfg.model.max_seq_len, SERVE_MAX_LEN)
-    return cfg
+    return RunConfig().updated(model=fields | {"param_dtype": DTYPES[stored]},
+                               data=dict(tokenizer=str(path / "tokenizer.json")))  # fmt: skip
 
 
-def read_hf_params(path: str | pathlib.Path, model: ml_collections.ConfigDict, target: dict) -> dict:
+def read_hf_params(path: str | pathlib.Path, model: ModelConfig, target: dict) -> dict:
     """The Llama's weights at `path` as params shaped, sharded and typed as `target`."""
     return read_params(WeightFiles(path), model, target)
 
 
 def write_hf(
     out: str | pathlib.Path,
-    model: ml_collections.ConfigDict,
+    model: ModelConfig,
     parameter: Callable[[tuple[str, ...]], jax.Array],
     tokenizer: Tokenizer,
     dtype: str,
@@ -76,7 +69,7 @@ def _write_absent(path: pathlib.Path, contents: dict) -> None:
         path.write_text(json.dumps(contents, indent=2))
 
 
-def expanded_qkv_parameters(model: ml_collections.ConfigDict) -> int:
+def expanded_qkv_parameters(model: ModelConfig) -> int:
     """Parameters that writing each group's shared q/k/v into every layer of the group adds."""
     per_layer = sum(math.prod(r.hf_shape) for r in rules(model) if r.stack == "groups")
-    return per_layer * (model.num_layers - sizes(model).groups)
+    return per_layer * (model.num_layers - model.groups)

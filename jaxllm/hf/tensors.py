@@ -11,10 +11,9 @@ import re
 from collections.abc import Callable
 
 import jax
-import ml_collections
 import numpy as np
 
-from jaxllm.config import sizes
+from jaxllm.config import ModelConfig
 from jaxllm.hf.config import ConversionError
 from jaxllm.hf.files import WeightFiles, write_weights
 from jaxllm.model.params import at_path
@@ -45,12 +44,12 @@ def _same() -> tuple[Transform, Transform]:
     return (lambda a: a), (lambda w: w)
 
 
-def rules(model: ml_collections.ConfigDict) -> list[Rule]:
+def rules(model: ModelConfig) -> list[Rule]:
     """The table for `model`: embedding, per-layer tensors, final norm, then the head if untied.
     Our vocab dim may be longer than HF's (padding): the rows past it import as zeros and are
     never exported."""
-    s, h, m, vocab = sizes(model), model.hidden, model.mlp, model.vocab_size
-    nh, kv, hd = model.num_heads, s.kv_heads, s.head_dim
+    s, h, m, vocab = model, model.hidden, model.mlp, model.vocab_size
+    nh, kv, hd = model.num_heads, s.num_kv_heads, s.head_dim
     attention, mlp = LAYER + "self_attn.", LAYER + "mlp."
     table = [Rule(("embed",), "model.embed_tokens.weight", (vocab, h), (lambda a: a), lambda w: w[:vocab])]
     for n, heads in (("q", nh), ("k", kv), ("v", kv)):
@@ -71,7 +70,7 @@ def rules(model: ml_collections.ConfigDict) -> list[Rule]:
     return table
 
 
-def hf_tensors(model: ml_collections.ConfigDict) -> list[tuple[str, Rule, int | None]]:
+def hf_tensors(model: ModelConfig) -> list[tuple[str, Rule, int | None]]:
     """(HF name, rule, layer) of every tensor, in the usual file order."""
     table = rules(model)
     stacked, rest = [r for r in table if r.stack], [r for r in table if not r.stack]
@@ -79,7 +78,7 @@ def hf_tensors(model: ml_collections.ConfigDict) -> list[tuple[str, Rule, int | 
     return [(rest[0].hf, rest[0], None), *layers, *((r.hf, r, None) for r in rest[1:])]
 
 
-def _check_names(files: WeightFiles, model: ml_collections.ConfigDict) -> None:
+def _check_names(files: WeightFiles, model: ModelConfig) -> None:
     want = {name: rule.hf_shape for name, rule, _ in hf_tensors(model)}
     have = files.names()
     tied_head = {"lm_head.weight"} if model.tie_embeddings else set()  # some tied models store it anyway
@@ -115,7 +114,7 @@ def _fill(out: np.ndarray, source: np.ndarray, index: tuple[slice, ...], shape: 
     out[tuple(slice(0, t.stop - t.start) for t in taken)] = source[taken]
 
 
-def read_params(files: WeightFiles, model: ml_collections.ConfigDict, target: dict) -> dict:
+def read_params(files: WeightFiles, model: ModelConfig, target: dict) -> dict:
     """Params shaped as `target` (abstract arrays, canonical group order, with shardings and
     dtypes) from a Llama's weight files. Each device's shard is filled from just the tensors it
     needs, read one at a time and copied once into place: host memory holds the params, one
@@ -146,7 +145,7 @@ def read_params(files: WeightFiles, model: ml_collections.ConfigDict, target: di
 
 
 def write_hf_weights(
-    directory, parameter: Callable[[tuple[str, ...]], jax.Array], model: ml_collections.ConfigDict, dtype: str,
+    directory, parameter: Callable[[tuple[str, ...]], jax.Array], model: ModelConfig, dtype: str,
     max_shard_bytes: int,
 ) -> list:  # fmt: skip
     """Writes `model`'s params as a Llama's safetensors in `dtype`, one tensor at a time, a

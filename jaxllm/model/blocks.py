@@ -13,11 +13,10 @@ from __future__ import annotations
 from functools import partial
 
 import jax
-import ml_collections
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxllm.config import sizes
+from jaxllm.config import ModelConfig
 from jaxllm.model import layers
 from jaxllm.model.cache import LAYER_AXES
 from jaxllm.model.dense import dense_weight, projections
@@ -31,7 +30,7 @@ Stack = tuple[tuple[int, ...], tuple[str, ...]]  # leading (sizes, logical axis 
 UNSTACKED: Stack = ((), ())
 
 
-def _residual_std(model: ml_collections.ConfigDict) -> float:
+def _residual_std(model: ModelConfig) -> float:
     """Scaled init of the projections that write into the residual stream (GPT-2)."""
     return model.init_std / (2 * model.num_layers) ** 0.5
 
@@ -39,7 +38,7 @@ def _residual_std(model: ml_collections.ConfigDict) -> float:
 class Norm(nnx.Module):
     """RMSNorm or LayerNorm (with a bias), computed in fp32."""
 
-    def __init__(self, model: ml_collections.ConfigDict, stack: Stack = UNSTACKED):
+    def __init__(self, model: ModelConfig, stack: Stack = UNSTACKED):
         (lead, lead_axes), h = stack, model.hidden
         self.kind, self.eps = model.norm, model.norm_eps
         self.scale = declare((*lead, h), (*lead_axes, "embed"), model.param_dtype, "ones")
@@ -54,9 +53,9 @@ class Attention(nnx.Module):
     """A group's one QKV projection; every layer of the group applies it to its own input, then
     attends and projects out with the layer's own output projection."""
 
-    def __init__(self, model: ml_collections.ConfigDict, stack: Stack = UNSTACKED):
-        h, s, std = model.hidden, sizes(model), model.init_std
-        hd, kv = s.head_dim, s.kv_heads
+    def __init__(self, model: ModelConfig, stack: Stack = UNSTACKED):
+        h, s, std = model.hidden, model, model.init_std
+        hd, kv = s.head_dim, s.num_kv_heads
         self.implementation, self.project = model.attention, projections(model)
         self.q = dense_weight(model, stack, (h, model.num_heads, hd), ("embed", "heads", "head_dim"), 1, std)
         self.k = dense_weight(model, stack, (h, kv, hd), ("embed", "kv_heads", "head_dim"), 1, std)
@@ -83,12 +82,12 @@ class Attention(nnx.Module):
 class FeedForward(nnx.Module):
     """GLU (SwiGLU / GeGLU) or plain GELU MLP."""
 
-    def __init__(self, model: ml_collections.ConfigDict, stack: Stack = UNSTACKED):
+    def __init__(self, model: ModelConfig, stack: Stack = UNSTACKED):
         h, m = model.hidden, model.mlp
         self.activation, self.project = model.mlp_activation, projections(model)
         self.up = dense_weight(model, stack, (h, m), ("embed", "mlp"), 1, model.init_std)
         self.down = dense_weight(model, stack, (m, h), ("mlp", "embed"), 1, _residual_std(model))
-        if sizes(model).gated:
+        if model.gated:
             self.gate = dense_weight(model, stack, (h, m), ("embed", "mlp"), 1, model.init_std)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -100,8 +99,8 @@ class FeedForward(nnx.Module):
 class DecoderLayer(nnx.Module):
     """One pre-norm layer; its group's `Attention` comes in as an argument (shared by structure)."""
 
-    def __init__(self, model: ml_collections.ConfigDict, stack: Stack = UNSTACKED):
-        head_dims = (model.num_heads, sizes(model).head_dim)
+    def __init__(self, model: ModelConfig, stack: Stack = UNSTACKED):
+        head_dims = (model.num_heads, model.head_dim)
         self.attn_norm = Norm(model, stack)
         self.o_proj = dense_weight(
             model, stack, (*head_dims, model.hidden), ("heads", "head_dim", "embed"), 2, _residual_std(model)

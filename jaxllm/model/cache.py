@@ -16,9 +16,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 
-from jaxllm.config import sizes
+from jaxllm.config import ModelConfig
 from jaxllm.model.int8 import symmetric_int8
 
 AXES = ("layers", "sublayers", "batch", "kv_heads", None, "head_dim")  # logical axes of keys and values
@@ -47,10 +46,10 @@ class KVCache(NamedTuple):
     values: Entries
 
     @classmethod
-    def empty(cls, model: ml_collections.ConfigDict, slots: int, max_len: int, dtype=None) -> KVCache:
+    def empty(cls, model: ModelConfig, slots: int, max_len: int, dtype=None) -> KVCache:
         """Zeros in `dtype` (default: the model's compute dtype; 'int8': `Int8` entries)."""
-        s = sizes(model)
-        shape = (s.groups, model.qkv_share_every, slots, s.kv_heads, max_len, s.head_dim)
+        s = model
+        shape = (s.groups, model.qkv_share_every, slots, s.num_kv_heads, max_len, s.head_dim)
 
         def zeros() -> Entries:
             if jnp.dtype(dtype or model.dtype) == jnp.int8:

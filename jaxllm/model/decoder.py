@@ -19,17 +19,15 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from flax import nnx
 
-from jaxllm.config import sizes
+from jaxllm.config import ModelConfig, Schedule
 from jaxllm.model import layers
 from jaxllm.model.blocks import UNSTACKED, Attention, DecoderLayer, Norm, Stack
 from jaxllm.model.cache import KVCache
 from jaxllm.model.params import Params, declare, init_params, params_of, specs_of
 from jaxllm.parallel.pipeline import gather_stage_weights, pipeline_stack
 from jaxllm.parallel.rules import AXIS_RULES, constrain
-from jaxllm.parallel.schedule import Schedule
 from jaxllm.parallel.tensor_parallel import RESIDUAL
 
 # Activations that the 'selective' policy keeps (and 'offload' moves to host) instead of recomputing.
@@ -61,16 +59,11 @@ def _remat_wrappers(policy: str) -> tuple[Callable, Callable]:
     return partial(jax.checkpoint, policy=layer_policies[policy]), keep
 
 
-def _frozen(model: ml_collections.ConfigDict) -> ml_collections.FrozenConfigDict:
-    """Modules keep the model settings as static (hashable) graph data."""
-    return ml_collections.FrozenConfigDict(model)
-
-
 class LayerGroup(nnx.Module):
     """`qkv_share_every` consecutive layers and the one QKV projection (`Attention`) they all apply."""
 
-    def __init__(self, model: ml_collections.ConfigDict, stack: Stack = UNSTACKED):
-        (lead, lead_axes), model = stack, _frozen(model)
+    def __init__(self, model: ModelConfig, stack: Stack = UNSTACKED):
+        lead, lead_axes = stack
         self.remat, self.size = model.remat, model.qkv_share_every
         self.qkv = Attention(model, stack)
         self.layers = DecoderLayer(model, ((*lead, self.size), (*lead_axes, "sublayers")))
@@ -123,12 +116,11 @@ class Decoder(nnx.Module):
     stream's key) and each parameter's path: `Decoder(model, rngs=nnx.Rngs(s))` holds exactly the
     trainer's init with seed `s`, on any mesh, whatever RNG draws came before."""
 
-    def __init__(self, model: ml_collections.ConfigDict, *, rngs: nnx.Rngs, schedule: Schedule | None = None):
-        model = _frozen(model)
+    def __init__(self, model: ModelConfig, *, rngs: nnx.Rngs, schedule: Schedule | None = None):
         self.model, self.schedule = model, schedule
-        vocab, h, dt, std = sizes(model).padded_vocab, model.hidden, model.param_dtype, model.init_std
+        vocab, h, dt, std = model.padded_vocab, model.hidden, model.param_dtype, model.init_std
         self.embed = declare((vocab, h), ("vocab", "embed"), dt, std=std)
-        groups = sizes(model).groups
+        groups = model.groups
         if schedule is None:
             stack = ((groups,), ("layers",))
         else:
@@ -141,7 +133,7 @@ class Decoder(nnx.Module):
         nnx.update(self, init_params(specs_of(self), rngs.params.key.get_value(), jnp.dtype(dt)))
 
     @classmethod
-    def from_params(cls, model: ml_collections.ConfigDict, params: Params, schedule: Schedule | None = None) -> Decoder:
+    def from_params(cls, model: ModelConfig, params: Params, schedule: Schedule | None = None) -> Decoder:
         """The module holding `params` (a plain dict, e.g. from a checkpoint or an export)."""
         decoder = abstract_decoder(model, schedule)
         _check_matches(specs_of(decoder), params)
@@ -167,7 +159,7 @@ class Decoder(nnx.Module):
         model = self.model
         dt = jnp.dtype(model.dtype)
         ctx = layers.make_context(
-            tokens, segment_ids, positions, sizes(model).head_dim, model.rope_theta, model.rope_scaling
+            tokens, segment_ids, positions, model.head_dim, model.rope_theta, model.rope_scaling
         )
         # Gather the table's FSDP shards first (as for any weight), then look up vocab-sharded rows
         # of the fp32 table: the lookup's gradient adds every occurrence of a token into its row,
@@ -184,7 +176,7 @@ class Decoder(nnx.Module):
         head = self.embed.get_value().T if model.tie_embeddings else self.lm_head.get_value()
         logits = jnp.einsum("bte,ev->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
         logits = constrain(logits, "batch", "head_seq", "vocab")
-        logits = jnp.where(jnp.arange(sizes(model).padded_vocab) < model.vocab_size, logits, layers.NEG_INF)
+        logits = jnp.where(jnp.arange(model.padded_vocab) < model.vocab_size, logits, layers.NEG_INF)
         return logits if cache is None else (logits, cache)
 
     def _stack(self, x: jax.Array, ctx: layers.Context, copies: Params | None, cache: KVCache | None = None):
@@ -221,19 +213,19 @@ def _leaves(tree) -> list:
     return jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))
 
 
-def abstract_decoder(model: ml_collections.ConfigDict, schedule: Schedule | None = None) -> Decoder:
+def abstract_decoder(model: ModelConfig, schedule: Schedule | None = None) -> Decoder:
     """The decoder with shapes for values, nothing computed; under a mesh, each value also carries
     its sharding by the rules table."""
     with nnx.logical_axis_rules(AXIS_RULES):
         return nnx.eval_shape(lambda: Decoder(model, rngs=nnx.Rngs(0), schedule=schedule))
 
 
-def param_specs(model: ml_collections.ConfigDict, schedule: Schedule | None = None) -> dict:
+def param_specs(model: ModelConfig, schedule: Schedule | None = None) -> dict:
     """Shapes, logical axes and initialisers of every parameter, read from the modules."""
     return specs_of(abstract_decoder(model, schedule))
 
 
-def stage_copies(params: Params, model: ml_collections.ConfigDict, schedule: Schedule | None) -> Params | None:
+def stage_copies(params: Params, model: ModelConfig, schedule: Schedule | None) -> Params | None:
     """What a pipeline's loop computes with: its stage weights in the compute dtype, gathered over
     `fsdp` (see `gather_stage_weights`); None without a pipeline. A train step builds them once and
     passes them to each accumulation microstep's `forward`."""
@@ -245,7 +237,7 @@ def stage_copies(params: Params, model: ml_collections.ConfigDict, schedule: Sch
 def forward(
     params: Params,
     tokens: jax.Array,
-    model: ml_collections.ConfigDict,
+    model: ModelConfig,
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
     schedule: Schedule | None = None,

@@ -10,9 +10,9 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from flax import nnx
 
+from jaxllm.config import ModelConfig
 from jaxllm.model.fp8 import fp8_projections
 from jaxllm.model.int8 import Int8Weight, int8_projections
 from jaxllm.model.params import declare
@@ -21,7 +21,7 @@ Project = Callable[[jax.Array, tuple[jax.Array, ...], str], tuple[jax.Array, ...
 
 
 def dense_weight(
-    model: ml_collections.ConfigDict,
+    model: ModelConfig,
     stack: tuple[tuple[int, ...], tuple[str, ...]],
     shape: tuple[int, ...],
     axes: tuple[str, ...],
@@ -41,7 +41,7 @@ def einsum_projections(x: jax.Array, weights: tuple[jax.Array, ...], spec: str) 
     return tuple(jnp.einsum(spec, x, w.astype(x.dtype)) for w in weights)
 
 
-def projections(model: ml_collections.ConfigDict) -> Project:
+def projections(model: ModelConfig) -> Project:
     """The op a model's precision settings ask for."""
     if model.quantize == "int8":
         return int8_projections

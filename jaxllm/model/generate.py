@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 
+from jaxllm.config import ModelConfig
 from jaxllm.model.cache import KVCache
 from jaxllm.model.decoder import forward
 from jaxllm.model.sampling import Sampling, sample
@@ -15,7 +15,7 @@ from jaxllm.model.sampling import Sampling, sample
 
 def generate(
     params: dict,
-    model: ml_collections.ConfigDict,
+    model: ModelConfig,
     prompt: list[int],
     length: int,
     sampling: Sampling | None = None,

@@ -14,19 +14,17 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from flax import nnx
 
+from jaxllm.config import ModelConfig
 from jaxllm.model.params import declare
 
 INT8_MAX = 127
 
 
-def int8_model(model: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+def int8_model(model: ModelConfig) -> ModelConfig:
     """A copy of the model settings with int8 projection weights."""
-    model = model.copy_and_resolve_references()
-    model.quantize = "int8"
-    return model
+    return model.replace(quantize="int8")
 
 
 class Int8Weight(nnx.Module):

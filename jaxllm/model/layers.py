@@ -9,7 +9,6 @@ fused two run on GPUs; config validation says which shapes each takes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from functools import partial
 from typing import NamedTuple
 
@@ -18,6 +17,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.pallas.ops.gpu.attention import mha
 
+from jaxllm.config import RopeScaling
 from jaxllm.model.cache import Entries, Int8, encode
 from jaxllm.model.dense import Project, einsum_projections
 from jaxllm.parallel.rules import manual_spec
@@ -39,7 +39,7 @@ def make_context(
     positions: jax.Array | None,
     head_dim: int,
     rope_theta: float,
-    rope_scaling: Mapping | None = None,
+    rope_scaling: RopeScaling | None = None,
 ) -> Context:
     """RoPE tables (positions default to 0..seq-1) and the documents' segment ids."""
     b, t = tokens.shape
@@ -58,22 +58,19 @@ def norm(x: jax.Array, p: dict, kind: str, eps: float) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: Mapping | None = None) -> jax.Array:
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
     """The angular frequency of each rotated pair, [head_dim / 2], stretched as `scaling` (a
     model's `rope_scaling`) says: 'linear' divides them all by its factor; 'llama3' divides those
     whose wavelength exceeds the original context / low_freq_factor, keeps those under
     original context / high_freq_factor, and interpolates between."""
     freqs = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    kind = "none" if scaling is None else scaling["type"]
-    if kind == "none":
+    if scaling is None or scaling.type == "none":
         return freqs
-    if kind == "linear":
-        return freqs / scaling["factor"]
-    if kind != "llama3":
-        raise ValueError(f"model.rope_scaling.type={kind!r} is unknown; use 'none', 'linear' or 'llama3'")
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    kept = jnp.clip((scaling["original_max_len"] * freqs / (2 * jnp.pi) - low) / (high - low), 0.0, 1.0)
-    return (1 - kept) * freqs / scaling["factor"] + kept * freqs
+    if scaling.type == "linear":
+        return freqs / scaling.factor
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    kept = jnp.clip((scaling.original_max_len * freqs / (2 * jnp.pi) - low) / (high - low), 0.0, 1.0)
+    return (1 - kept) * freqs / scaling.factor + kept * freqs
 
 
 def rope_tables(positions: jax.Array, freqs: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import jax
-import ml_collections
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxllm.config import MESH_AXES, mesh_shape
+from jaxllm.config import MESH_AXES, ParallelConfig
 
 
-def make_mesh(parallel: ml_collections.ConfigDict, devices: list | None = None) -> Mesh:
+def make_mesh(parallel: ParallelConfig, devices: list | None = None) -> Mesh:
     """Builds the mesh from `config.parallel`; sizes are checked against the device count."""
     devices = jax.devices() if devices is None else devices
-    shape = mesh_shape(parallel, len(devices))
+    shape = parallel.mesh_shape(len(devices))
     if devices == jax.devices():
         # make_mesh orders devices for the physical topology (NVLink/ICI locality for 'tensor').
         return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

@@ -22,11 +22,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.config import MESH_AXES
+from jaxllm.config import MESH_AXES, Schedule
 from jaxllm.model.params import is_norm
 from jaxllm.parallel.collectives import reduce_scatter_sum, to_varying, varying_axes
 from jaxllm.parallel.rules import GATHERED_RULES, RULES, active_rules, as_tuple, constrain, is_axes, manual_spec
-from jaxllm.parallel.schedule import Schedule, split_microbatches
+from jaxllm.parallel.schedule import split_microbatches
 from jaxllm.parallel.tensor_parallel import RESIDUAL
 
 MANUAL_AXES = frozenset(MESH_AXES)

@@ -1,5 +1,5 @@
-"""The pipeline schedule and the views it puts on layer groups and batches; what the model,
-planner and checkpoints need to know of a pipeline, without its implementation.
+"""The views a pipeline schedule (`config.Schedule`) puts on layer groups and batches; what the
+model, planner and checkpoints need to know of a pipeline, without its implementation.
 
 Groups are stored canonically as [groups, ...], the same for every layout; a pipeline holds them in
 the view [repeats, stages, groups_per_stage, ...] (group = (repeat·stages + stage)·groups_per_stage
@@ -8,32 +8,10 @@ the view [repeats, stages, groups_per_stage, ...] (group = (repeat·stages + sta
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
-import ml_collections
 
-
-class Schedule(NamedTuple):
-    stages: int
-    repeats: int
-    microbatches: int
-
-    @property
-    def iterations(self) -> int:
-        return self.repeats * self.microbatches + self.stages - 1
-
-    @property
-    def bubble(self) -> float:
-        """Fraction of stage-iterations that do no useful work."""
-        return (self.stages - 1) / self.iterations
-
-
-def schedule_of(cfg: ml_collections.ConfigDict) -> Schedule | None:
-    """The pipeline schedule, or None when `parallel.stage` is 1."""
-    p = cfg.parallel
-    return Schedule(p.stage, p.repeats, p.microbatches) if p.stage > 1 else None
+from jaxllm.config import Schedule
 
 
 def pipeline_view(groups, schedule: Schedule):

@@ -1,12 +1,14 @@
-"""`python -m jaxllm.plan --config configs/X.py [--device h100-80gb] [--search --gpus N] [--compile]
-[--plot out.png] [--convention megatron] [--serve-batch B --context T]`."""
+"""`python -m jaxllm.plan --config configs/X.py [--config.a.b=value ...] [--device h100-80gb]
+[--search --gpus N] [--compile] [--plot out.png] [--convention megatron] [--serve-batch B --context T]`."""
+
+from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
-from absl import app, flags
-
-from jaxllm.cli import CONFIG
-from jaxllm.config import MESH_AXES, validate
+from jaxllm import cli
+from jaxllm.config import RunConfig, load_config, validate
 from jaxllm.errors import exit_on_error
 from jaxllm.plan.hardware import ACCELERATORS
 from jaxllm.plan.report import (
@@ -20,67 +22,57 @@ from jaxllm.plan.report import (
 )
 from jaxllm.plan.search import HEADROOM, search
 
-DEVICE = flags.DEFINE_enum("device", "h100-80gb", list(ACCELERATORS), "The GPU to fit and time the config on.")
-HEADROOM_FLAG = flags.DEFINE_float("headroom", HEADROOM, "Fraction of device memory the fit check leaves free.")
-SEARCH = flags.DEFINE_bool("search", False, "Rank the layouts that fit --gpus devices of --device.")
-GPUS = flags.DEFINE_integer("gpus", None, "Devices for --search (default: the config's mesh size).")
-TOP = flags.DEFINE_integer("top", 15, "Layouts --search prints (the config's own is always shown).")
-COMPILE = flags.DEFINE_bool(
-    "compile",
-    False,
-    "Also compile the train step on fake CPU devices and set the "
-    "compiler's memory and collectives beside the estimates.",
-)
-PLOT = flags.DEFINE_string(
-    "plot",
-    None,
-    "Draw memory by component and the pipeline schedule to this PNG "
-    "(needs the 'plot' extra: pip install -e '.[plot]').",
-)
-CONVENTION = flags.DEFINE_enum(
-    "convention",
-    "ours",
-    ["ours", "megatron"],
-    "Also count parameters as Megatron-LM's paper does (learned positions, biases).",
-)
-SERVE_BATCH = flags.DEFINE_integer("serve-batch", 1, "Sequences of the KV-cache estimate.")
-CONTEXT = flags.DEFINE_integer("context", None, "Tokens per sequence of the KV-cache estimate (default: max_seq_len).")
-
 
 @exit_on_error
-def main(argv) -> None:
-    del argv
-    cfg, accelerator = CONFIG.value, ACCELERATORS[DEVICE.value]
-    validate(cfg, math.prod(max(cfg.parallel[a], 1) for a in MESH_AXES))
-    if COMPILE.value:  # before JAX starts: the compile needs the mesh's devices
-        from jaxllm.train.dry_run import ensure_fake_devices
-
-        ensure_fake_devices(cfg, module="jaxllm.plan")
-    context = CONTEXT.value or cfg.model.max_seq_len
+def main(argv: list[str] | None = None) -> None:
+    parser = cli.parser("python -m jaxllm.plan", __doc__, [RunConfig])
+    parser.add_argument("--config", required=True, help="a config file (configs/*.py)")
+    parser.add_argument("--device", default="h100-80gb", choices=list(ACCELERATORS), help="the GPU to fit and time on")
+    parser.add_argument("--headroom", type=float, default=HEADROOM, help="fraction of memory the fit check leaves")
+    parser.add_argument("--search", action="store_true", help="rank the layouts that fit --gpus devices of --device")
+    parser.add_argument("--gpus", type=int, help="devices for --search (default: the config's mesh size)")
+    parser.add_argument("--top", type=int, default=15, help="layouts --search prints (the config's own always)")
+    parser.add_argument("--compile", action="store_true", help="also run `python -m jaxllm.train --dry-run`: the "
+                        "compiler's memory and collectives beside the estimates")  # fmt: skip
+    parser.add_argument("--plot", help="draw memory by component and the schedule to this PNG (the 'plot' extra)")
+    parser.add_argument("--convention", default="ours", choices=["ours", "megatron"],
+                        help="also count parameters as Megatron-LM's paper does")  # fmt: skip
+    parser.add_argument("--serve-batch", type=int, default=1, help="sequences of the KV-cache estimate")
+    parser.add_argument(
+        "--context", type=int, help="tokens per sequence of the KV-cache estimate (default: max_seq_len)"
+    )
+    argv = sys.argv[1:] if argv is None else argv
+    rest, texts = cli.split_overrides(argv)
+    args = parser.parse_args(rest)
+    cfg, accelerator = load_config(args.config, cli.typed_overrides(texts)), ACCELERATORS[args.device]
+    sizes = cfg.parallel.sizes
+    validate(cfg, math.prod(max(s, 1) for s in sizes.values()))
+    context = args.context or cfg.model.max_seq_len
     sections = [
-        summary(cfg, CONVENTION.value).splitlines(),
-        memory_report(cfg, accelerator, HEADROOM_FLAG.value),
+        summary(cfg, args.convention).splitlines(),
+        memory_report(cfg, accelerator, args.headroom),
         activation_report(cfg),
-        kv_report(cfg.model, SERVE_BATCH.value, context, max(cfg.parallel.tensor, 1)),
+        kv_report(cfg.model, args.serve_batch, context, max(sizes["tensor"], 1)),
         comm_report(cfg, accelerator),
         estimate_report(cfg),
     ]
-    if SEARCH.value:
-        gpus = GPUS.value or max(1, cfg.parallel.data) * cfg.parallel.fsdp * cfg.parallel.stage * cfg.parallel.tensor
-        fitting, valid = search(cfg, gpus, accelerator, HEADROOM_FLAG.value)
-        sections.append(search_report(cfg, fitting, valid, gpus, accelerator, TOP.value))
+    if args.search:
+        gpus = args.gpus or math.prod(max(s, 1) for s in sizes.values())
+        fitting, valid = search(cfg, gpus, accelerator, args.headroom)
+        sections.append(search_report(cfg, fitting, valid, gpus, accelerator, args.top))
     print("\n\n".join("\n".join(lines) for lines in sections), flush=True)
-    if PLOT.value:
+    if args.plot:
         from jaxllm.plan.plot import plot
 
-        plot(cfg, PLOT.value)
-        print(f"\nwrote {PLOT.value}")
-    if COMPILE.value:
-        from jaxllm.train.dry_run import compare_with_compiler
-
-        print()
-        compare_with_compiler(cfg)
+        plot(cfg, args.plot)
+        print(f"\nwrote {args.plot}")
+    if args.compile:  # the training stack compiles the real step, in a process of its own
+        command = [sys.executable, "-m", "jaxllm.train", "--config", args.config, *(f"--config.{k}={v}" for k, v in
+                   texts.items()), "--dry-run"]  # fmt: skip
+        print(f"\n$ {' '.join(command[1:])}", flush=True)
+        if subprocess.run(command).returncode:
+            sys.exit("error: the dry run failed; see above")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main()

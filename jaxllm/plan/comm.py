@@ -26,13 +26,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 
-from jaxllm.config import MESH_AXES, sizes
+from jaxllm.config import MESH_AXES, RunConfig
 from jaxllm.parallel.rules import RULES
-from jaxllm.parallel.schedule import schedule_of
 from jaxllm.plan.hlo import KINDS
-from jaxllm.plan.memory import _itemsize, _per_device_bytes, specs_of
+from jaxllm.plan.memory import _itemsize, _per_device_bytes, mesh_sizes, specs_of
 
 RING = {
     "all-reduce": lambda n: 2 * (n - 1) / n,
@@ -73,13 +71,13 @@ def _recomputed(remat: str, share: int) -> tuple[float, float]:
     return (2 - 1 / share if remat == "group" else 1.0), 2.0
 
 
-def communication(cfg: ml_collections.ConfigDict, backend: str = "gpu") -> list[Transfer]:
+def communication(cfg: RunConfig, backend: str = "gpu") -> list[Transfer]:
     """Every transfer of a train step on the configured mesh (sizes of -1 count as 1), as the
     `backend` compiles it: XLA:CPU runs 16-bit collectives in fp32, so `--compile` on fake CPU
     devices compares with backend 'cpu'."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    n = {a: max(p[a], 1) for a in MESH_AXES}
-    schedule, accum, share, layers = schedule_of(cfg), t.grad_accum_steps, m.qkv_share_every, m.num_layers
+    n = mesh_sizes(cfg)
+    schedule, accum, share, layers = cfg.parallel.schedule, t.grad_accum_steps, m.qkv_share_every, m.num_layers
     specs = specs_of(m)
     tensor_only = jax.sharding.AbstractMesh((1, 1, 1, n["tensor"]), MESH_AXES)
 
@@ -141,7 +139,7 @@ def communication(cfg: ml_collections.ConfigDict, backend: str = "gpu") -> list[
         add("stage: the output's gradient all-gathered", "all-gather", ("stage",), act / split_seq, accum)
         add("stage: the input's gradient all-reduced", "all-reduce", ("stage",), act / split_seq, accum)
         if p.sequence_parallel:  # how XLA lays out the head's and the lookup's sequence here
-            logits = rows * t.seq_len * sizes(m).padded_vocab / n["tensor"] * 4
+            logits = rows * t.seq_len * m.padded_vocab / n["tensor"] * 4
             add("stage: the logits' fp32 gradient all-gathered for the head", "all-gather", ("stage",), logits, accum)
             lookup = act / (n["tensor"] * stages) * (2 if n["fsdp"] > 1 else 1)  # and back, when fsdp splits the table
             add(

@@ -6,13 +6,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import ml_collections
-
-from jaxllm.config import MESH_AXES
-from jaxllm.parallel.schedule import schedule_of
+from jaxllm.config import MESH_AXES, RunConfig
 from jaxllm.plan.comm import Transfer, communication
 from jaxllm.plan.flops import flops_per_token, recomputed_flops_per_token
 from jaxllm.plan.hardware import LINK_EFFICIENCY, MATMUL_EFFICIENCY, Accelerator
+from jaxllm.plan.memory import mesh_sizes
 
 ASSUMPTIONS = (
     f"matmuls at {MATMUL_EFFICIENCY:.0%} of the dense peak (FP8's where model.fp8 is on), recomputation included",
@@ -41,10 +39,6 @@ class Estimate:
         return self.model_flops / (self.step * self.peak)
 
 
-def mesh_sizes(cfg: ml_collections.ConfigDict) -> dict[str, int]:
-    return {a: max(cfg.parallel[a], 1) for a in MESH_AXES}
-
-
 def link_bandwidth(axes: tuple[str, ...], sizes: dict[str, int], accelerator: Accelerator) -> float:
     """Bytes/s one way per GPU for a group over `axes`: NVLink when the group's devices sit in one
     node, else the NIC (mesh devices numbered with the last axis fastest)."""
@@ -61,7 +55,7 @@ def seconds(transfer: Transfer, sizes: dict[str, int], accelerator: Accelerator)
     return transfer.wire_bytes(sizes) / bandwidth
 
 
-def estimate(cfg: ml_collections.ConfigDict, accelerator: Accelerator) -> Estimate:
+def estimate(cfg: RunConfig, accelerator: Accelerator) -> Estimate:
     m, t = cfg.model, cfg.train
     sizes = mesh_sizes(cfg)
     devices, tokens = math.prod(sizes.values()), t.batch_size * t.seq_len
@@ -69,7 +63,7 @@ def estimate(cfg: ml_collections.ConfigDict, accelerator: Accelerator) -> Estima
     hardware_flops = model_flops + recomputed_flops_per_token(cfg) * tokens / devices
     peak = accelerator.fp8_flops if m.fp8.enabled else accelerator.bf16_flops
     compute = hardware_flops / (peak * MATMUL_EFFICIENCY)
-    if (schedule := schedule_of(cfg)) is not None:
+    if (schedule := cfg.parallel.schedule) is not None:
         compute /= 1 - schedule.bubble
     exposed = overlapped = 0.0
     for transfer in communication(cfg):

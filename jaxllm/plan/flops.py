@@ -2,31 +2,29 @@
 
 from __future__ import annotations
 
-import ml_collections
-
-from jaxllm.config import sizes
+from jaxllm.config import ModelConfig, RunConfig
 from jaxllm.plan.params import applied_matmul_params
 
 
-def attention_flops_per_token(model: ml_collections.ConfigDict, seq_len: int) -> float:
+def attention_flops_per_token(model: ModelConfig, seq_len: int) -> float:
     """Training FLOPs of causal attention per token: scores and weighted values, forward and
     backward, over the half of the sequence a causal token sees: 6·layers·heads·head_dim·seq."""
-    return 6 * model.num_layers * model.num_heads * sizes(model).head_dim * seq_len
+    return 6 * model.num_layers * model.num_heads * model.head_dim * seq_len
 
 
-def flops_per_token(model: ml_collections.ConfigDict, seq_len: int) -> float:
+def flops_per_token(model: ModelConfig, seq_len: int) -> float:
     """Model FLOPs of one training token (forward + backward): 6 × applied matmul weights plus
     causal attention (see `attention_flops_per_token`)."""
     return 6 * applied_matmul_params(model) + attention_flops_per_token(model, seq_len)
 
 
-def megatron_flops_per_token(model: ml_collections.ConfigDict, seq_len: int) -> float:
+def megatron_flops_per_token(model: ModelConfig, seq_len: int) -> float:
     """Megatron-LM's convention (Narayanan et al. 2021): the same weights, attention as 12·l·h·s,
     every score computed (no causal half), with h = heads × head_dim."""
-    return 6 * applied_matmul_params(model) + 12 * model.num_layers * model.num_heads * sizes(model).head_dim * seq_len
+    return 6 * applied_matmul_params(model) + 12 * model.num_layers * model.num_heads * model.head_dim * seq_len
 
 
-def recomputed_flops_per_token(cfg: ml_collections.ConfigDict) -> float:
+def recomputed_flops_per_token(cfg: RunConfig) -> float:
     """Forward FLOPs run again in the backward pass: one forward under every remat policy that
     rebuilds whole layers (none for `none`; the attention core for `selective`, `dots` and
     `offload`), plus one more forward of every stage in a pipeline, which rebuilds each

@@ -5,29 +5,27 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 
-from jaxllm.config import MESH_AXES, sizes
+from jaxllm.config import MESH_AXES, ModelConfig, RunConfig, Schedule
 from jaxllm.model.decoder import param_specs
 from jaxllm.model.params import is_norm, is_spec
 from jaxllm.parallel.rules import GATHERED_RULES, OPTIMIZER_RULES, RULES, as_tuple, logical_spec
-from jaxllm.parallel.schedule import Schedule, schedule_of
 
 
-def specs_of(model: ml_collections.ConfigDict, schedule: Schedule | None = None) -> dict:
-    """`param_specs`, remembered: a layout search asks for the same model's many times."""
-    return _specs(model.to_json(), schedule)
+def mesh_sizes(cfg: RunConfig) -> dict[str, int]:
+    """The mesh the planner assumes: each size as configured, -1 counted as 1."""
+    return {a: max(s, 1) for a, s in cfg.parallel.sizes.items()}
 
 
 @functools.lru_cache(maxsize=64)
-def _specs(model_json: str, schedule: Schedule | None) -> dict:
-    return param_specs(ml_collections.ConfigDict(json.loads(model_json)), schedule)
+def specs_of(model: ModelConfig, schedule: Schedule | None = None) -> dict:
+    """`param_specs`, remembered: a layout search asks for the same model's many times."""
+    return param_specs(model, schedule)
 
 
 def _itemsize(dtype, norms_in_fp32: bool = False) -> Callable[[tuple], int]:
@@ -48,15 +46,15 @@ def _per_device_bytes(specs, rules, mesh: jax.sharding.AbstractMesh, itemsize, *
     return sum(jax.tree.leaves(jax.tree_util.tree_map_with_path(one, specs, is_leaf=is_spec)))
 
 
-def _stash_per_token(model: ml_collections.ConfigDict, seq: int, tensor: int, sp: bool) -> tuple[dict, float]:
+def _stash_per_token(model: ModelConfig, seq: int, tensor: int, sp: bool) -> tuple[dict, float]:
     """Bytes per token on one device of one layer's activations: (what each remat policy keeps
     for the backward pass, all of them). The tensors are those the layer tags for its policies
     (`decoder.SAVED_NAMES`, the dots' outputs); `tests/test_memory_plan.py` checks what keeping
     them costs against the compiler's memory analysis."""
-    s, a = sizes(model), jnp.dtype(model.dtype).itemsize
+    s, a = model, jnp.dtype(model.dtype).itemsize
     residual = model.hidden * a / (tensor if sp else 1)  # the residual stream between blocks
     block = model.hidden * a  # a block's gathered input, and its partial output before the sum
-    q, kv = model.num_heads // tensor * s.head_dim * a, s.kv_heads // tensor * s.head_dim * a
+    q, kv = model.num_heads // tensor * s.head_dim * a, s.num_kv_heads // tensor * s.head_dim * a
     mlp = model.mlp // tensor * a
     scores = model.num_heads // tensor * seq * (4 + a) if model.attention == "xla" else 0  # fp32 and probs
     dots = (q + 2 * kv) + scores + q + block + (s.ffn_matrices - 1) * mlp + block
@@ -72,14 +70,14 @@ def _stash_per_token(model: ml_collections.ConfigDict, seq: int, tensor: int, sp
     return kept, everything
 
 
-def memory(cfg: ml_collections.ConfigDict) -> dict[str, float]:
+def memory(cfg: RunConfig) -> dict[str, float]:
     """Per-device bytes of a training step by component, from the config alone (mesh sizes of -1
     count as 1). What the planner predicts and `--dry-run` prints beside the compiler's figures.
     An offloaded optimizer state is counted apart from the device total."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    mesh_sizes = {a: max(p[a], 1) for a in MESH_AXES}
-    mesh = jax.sharding.AbstractMesh(tuple(mesh_sizes.values()), MESH_AXES)
-    schedule = schedule_of(cfg)
+    sizes = mesh_sizes(cfg)
+    mesh = jax.sharding.AbstractMesh(tuple(sizes.values()), MESH_AXES)
+    schedule = cfg.parallel.schedule
     specs = specs_of(m, schedule)
     fp32, param = _itemsize(jnp.float32), _itemsize(m.param_dtype)
     compute = _itemsize(m.dtype, norms_in_fp32=True)
@@ -102,7 +100,7 @@ def memory(cfg: ml_collections.ConfigDict) -> dict[str, float]:
         gathered = _per_device_bytes(groups, GATHERED_RULES, mesh, compute)
         gathered += _per_device_bytes(groups, GATHERED_RULES, mesh, fp32)
     out["gathered weights + their fp32 gradient"] = gathered
-    data, tensor, stage = mesh_sizes["data"] * mesh_sizes["fsdp"], mesh_sizes["tensor"], mesh_sizes["stage"]
+    data, tensor, stage = sizes["data"] * sizes["fsdp"], sizes["tensor"], sizes["stage"]
     rows = t.batch_size // data // t.grad_accum_steps  # sequences per device per microstep
     kept, whole_layer = _stash_per_token(m, t.seq_len, tensor, p.sequence_parallel)
     stash = kept[m.remat]
@@ -119,7 +117,7 @@ def memory(cfg: ml_collections.ConfigDict) -> dict[str, float]:
         edges = 2 * schedule.iterations * tokens * residual
         out[f"activations (remat {m.remat})"] = edges + stage_layers * tokens * stash
     head_tokens = rows * t.seq_len // (stage if schedule else 1)
-    logits = head_tokens * sizes(m).padded_vocab // tensor * 4 * 2  # fp32 logits and their gradient
+    logits = head_tokens * m.padded_vocab // tensor * 4 * 2  # fp32 logits and their gradient
     out["temporaries (a group rebuilt; logits)"] = max(tokens * rebuilt, logits)
     out["total"] = sum(out.values())
     if p.offload_optimizer:
@@ -136,15 +134,15 @@ KV_BYTES = {"bf16": 2, "fp8": 1, "int8": 1}
 KV_SCALE_BYTES = {"int8": 4}  # one fp32 scale per token, head and K or V (see model/cache.py)
 
 
-def kv_cache_bytes(model: ml_collections.ConfigDict, batch: int, context: int, dtype: str, tensor: int = 1) -> float:
+def kv_cache_bytes(model: ModelConfig, batch: int, context: int, dtype: str, tensor: int = 1) -> float:
     """Bytes per device of a KV cache for `batch` sequences of `context` tokens: one key and one
     value per layer, token and kv head (split over `tensor`), plus int8's scales."""
-    s = sizes(model)
+    s = model
     per_head = s.head_dim * KV_BYTES[dtype] + KV_SCALE_BYTES.get(dtype, 0)
-    return 2 * model.num_layers * batch * context * s.kv_heads / tensor * per_head
+    return 2 * model.num_layers * batch * context * s.num_kv_heads / tensor * per_head
 
 
-def korthikanti_layer_bytes(model: ml_collections.ConfigDict, seq: int, batch: int) -> float:
+def korthikanti_layer_bytes(model: ModelConfig, seq: int, batch: int) -> float:
     """Korthikanti et al. 2022's activations of one layer, no parallelism or recompute, 16-bit:
     s·b·h·(34 + 5·a·s/h) bytes (GELU MLP 4h, dropout masks, attention scores stored)."""
     h = model.hidden
@@ -152,7 +150,7 @@ def korthikanti_layer_bytes(model: ml_collections.ConfigDict, seq: int, batch: i
 
 
 def layer_activation_bytes(
-    model: ml_collections.ConfigDict, seq: int, batch: int, tensor: int = 1, sequence_parallel: bool = False
+    model: ModelConfig, seq: int, batch: int, tensor: int = 1, sequence_parallel: bool = False
 ) -> dict[str, float]:
     """One layer's activations kept for the backward pass, per device, by remat policy."""
     kept, _ = _stash_per_token(model, seq, tensor, sequence_parallel)

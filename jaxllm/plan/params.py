@@ -7,22 +7,21 @@ import math
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 
-from jaxllm.config import sizes
+from jaxllm.config import ModelConfig
 from jaxllm.model.decoder import param_specs
 from jaxllm.model.int8 import int8_model
 from jaxllm.model.params import is_spec, storage_dtype
 
 
-def param_counts(model: ml_collections.ConfigDict) -> dict[str, int]:
+def param_counts(model: ModelConfig) -> dict[str, int]:
     """Stored parameters by component (no biases; LayerNorm adds one bias per scale)."""
-    s, h, nh, m, layers = sizes(model), model.hidden, model.num_heads, model.mlp, model.num_layers
+    s, h, nh, m, layers = model, model.hidden, model.num_heads, model.mlp, model.num_layers
     norm = h * (2 if model.norm == "layernorm" else 1)
     counts = {
         "embedding": s.padded_vocab * h,
         "lm_head": 0 if model.tie_embeddings else h * s.padded_vocab,
-        "qkv (shared per group)": s.groups * h * (nh + 2 * s.kv_heads) * s.head_dim,
+        "qkv (shared per group)": s.groups * h * (nh + 2 * s.num_kv_heads) * s.head_dim,
         "attention out": layers * nh * s.head_dim * h,
         "feed-forward": layers * s.ffn_matrices * h * m,
         "norms": (2 * layers + 1) * norm,
@@ -31,11 +30,11 @@ def param_counts(model: ml_collections.ConfigDict) -> dict[str, int]:
     return counts
 
 
-def megatron_extras(model: ml_collections.ConfigDict, seq_len: int) -> dict[str, int]:
+def megatron_extras(model: ModelConfig, seq_len: int) -> dict[str, int]:
     """What the Megatron-LM paper's count (Narayanan et al. 2021) has that this model does not:
     learned position embeddings and a bias on every linear layer."""
-    s, h = sizes(model), model.hidden
-    per_layer = (model.num_heads + 2 * s.kv_heads) * s.head_dim + h + (s.ffn_matrices - 1) * model.mlp + h
+    s, h = model, model.hidden
+    per_layer = (model.num_heads + 2 * s.num_kv_heads) * s.head_dim + h + (s.ffn_matrices - 1) * model.mlp + h
     return {"learned positions": seq_len * h, "linear biases": model.num_layers * per_layer}
 
 
@@ -44,18 +43,18 @@ def megatron_formula(layers: int, hidden: int, vocab: int, seq_len: int) -> floa
     return 12 * layers * hidden**2 * (1 + 13 / (12 * hidden) + (vocab + seq_len) / (12 * layers * hidden))
 
 
-def applied_matmul_params(model: ml_collections.ConfigDict) -> int:
+def applied_matmul_params(model: ModelConfig) -> int:
     """Weights each token is multiplied by: the shared QKV counts once per layer that applies it,
     and the LM head counts even when tied (the lookup table does not)."""
-    s, h, nh = sizes(model), model.hidden, model.num_heads
-    per_layer = h * (nh + 2 * s.kv_heads) * s.head_dim + nh * s.head_dim * h + s.ffn_matrices * h * model.mlp
+    s, h, nh = model, model.hidden, model.num_heads
+    per_layer = h * (nh + 2 * s.num_kv_heads) * s.head_dim + nh * s.head_dim * h + s.ffn_matrices * h * model.mlp
     return model.num_layers * per_layer + h * s.padded_vocab
 
 
 WEIGHT_BYTES = {"bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
 
 
-def weight_bytes(model: ml_collections.ConfigDict) -> dict[str, float]:
+def weight_bytes(model: ModelConfig) -> dict[str, float]:
     """The weights' bytes at each width (every parameter), and as `--quantize int8` serves them:
     dense projections int8 with fp32 scales, the embedding, head and norms in bf16."""
     total = param_counts(model)["total"]

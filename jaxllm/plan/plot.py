@@ -3,10 +3,9 @@ bubbles shaded). Needs matplotlib (the `plot` extra)."""
 
 from __future__ import annotations
 
-import ml_collections
 import numpy as np
 
-from jaxllm.parallel.schedule import Schedule, schedule_of
+from jaxllm.config import RunConfig, Schedule
 from jaxllm.plan.hardware import ACCELERATORS, GiB
 from jaxllm.plan.memory import memory
 from jaxllm.plan.search import HEADROOM
@@ -23,7 +22,7 @@ def schedule_grid(schedule: Schedule) -> np.ndarray:
     return np.where(busy, k % schedule.microbatches, BUBBLE)
 
 
-def plot(cfg: ml_collections.ConfigDict, path: str) -> None:
+def plot(cfg: RunConfig, path: str) -> None:
     try:
         import matplotlib
 
@@ -45,7 +44,7 @@ def plot(cfg: ml_collections.ConfigDict, path: str) -> None:
         mem_ax.annotate(f"{', '.join(names)} less {HEADROOM:.0%}", (-0.38, budget), fontsize=7, va="bottom")
     mem_ax.set(xticks=[], ylabel="GiB per device", title="memory per device, by component")
     mem_ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.02))
-    if (schedule := schedule_of(cfg)) is None:
+    if (schedule := cfg.parallel.schedule) is None:
         pipe_ax.text(0.5, 0.5, "no pipeline (parallel.stage = 1)", ha="center", va="center")
         pipe_ax.set_axis_off()
     else:

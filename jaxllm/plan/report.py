@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
-import ml_collections
-
-from jaxllm.parallel.schedule import schedule_of
+from jaxllm.config import ModelConfig, RunConfig
 from jaxllm.plan.comm import communication
-from jaxllm.plan.estimate import ASSUMPTIONS, estimate, link_bandwidth, mesh_sizes, seconds
+from jaxllm.plan.estimate import ASSUMPTIONS, estimate, link_bandwidth, seconds
 from jaxllm.plan.flops import flops_per_token, megatron_flops_per_token
 from jaxllm.plan.hardware import ACCELERATORS, Accelerator, GiB
-from jaxllm.plan.memory import KV_BYTES, korthikanti_layer_bytes, kv_cache_bytes, layer_activation_bytes, memory
+from jaxllm.plan.memory import (
+    KV_BYTES,
+    korthikanti_layer_bytes,
+    kv_cache_bytes,
+    layer_activation_bytes,
+    memory,
+    mesh_sizes,
+)
 from jaxllm.plan.params import applied_matmul_params, megatron_extras, param_counts, weight_bytes
 from jaxllm.plan.search import Candidate, Layout
 
 
-def summary(cfg: ml_collections.ConfigDict, convention: str = "ours") -> str:
+def summary(cfg: RunConfig, convention: str = "ours") -> str:
     """Parameters, FLOPs, precision, weight bytes and the pipeline schedule. With convention
     'megatron', also the count with the learned positions and biases of Megatron-LM's formula."""
     model, seq = cfg.model, cfg.train.seq_len
@@ -42,7 +47,7 @@ def summary(cfg: ml_collections.ConfigDict, convention: str = "ours") -> str:
     lines.append(precision)
     widths = ", ".join(f"{width} {n / 1e9:.4g}" for width, n in weight_bytes(model).items())
     lines.append(f"weights, GB: {widths}")
-    if (schedule := schedule_of(cfg)) is not None:
+    if (schedule := cfg.parallel.schedule) is not None:
         lines.append(
             f"pipeline: {schedule.stages} stages × {schedule.repeats} repeats, {schedule.microbatches} microbatches, "
             f"{schedule.iterations} iterations, bubble {schedule.bubble:.1%}"
@@ -54,7 +59,7 @@ def _size(n: float) -> str:
     return f"{n / GiB:9.2f} GiB" if n >= GiB else f"{n / 2**20:9.2f} MiB"
 
 
-def memory_report(cfg: ml_collections.ConfigDict, accelerator: Accelerator, headroom: float) -> list[str]:
+def memory_report(cfg: RunConfig, accelerator: Accelerator, headroom: float) -> list[str]:
     planned = memory(cfg)
     lines = ["per-device memory of a train step (mesh sizes of -1 count as 1):"]
     lines += [f"  {name:<46}{_size(n)}" for name, n in planned.items()]
@@ -67,7 +72,7 @@ def memory_report(cfg: ml_collections.ConfigDict, accelerator: Accelerator, head
     return lines
 
 
-def activation_report(cfg: ml_collections.ConfigDict) -> list[str]:
+def activation_report(cfg: RunConfig) -> list[str]:
     """One layer's kept activations per sequence on one device, by remat policy, beside
     Korthikanti et al. 2022's formula."""
     m, p, seq = cfg.model, cfg.parallel, cfg.train.seq_len
@@ -90,14 +95,14 @@ def activation_report(cfg: ml_collections.ConfigDict) -> list[str]:
     return lines
 
 
-def kv_report(model: ml_collections.ConfigDict, batch: int, context: int, tensor: int) -> list[str]:
+def kv_report(model: ModelConfig, batch: int, context: int, tensor: int) -> list[str]:
     cells = ", ".join(
         f"{dtype} {_size(kv_cache_bytes(model, batch, context, dtype, tensor)).strip()}" for dtype in KV_BYTES
     )
     return [f"KV cache for {batch} sequence(s) × {context} tokens, per device over tensor {tensor}: {cells}"]
 
 
-def comm_report(cfg: ml_collections.ConfigDict, accelerator: Accelerator) -> list[str]:
+def comm_report(cfg: RunConfig, accelerator: Accelerator) -> list[str]:
     sizes = mesh_sizes(cfg)
     lines = [f"communication per device per step (array × runs; bytes sent by a ring; time on {accelerator.kind}):"]
     sent = {}  # bytes sent per mesh-axis group, and over which link
@@ -116,7 +121,7 @@ def comm_report(cfg: ml_collections.ConfigDict, accelerator: Accelerator) -> lis
     return lines
 
 
-def estimate_report(cfg: ml_collections.ConfigDict) -> list[str]:
+def estimate_report(cfg: RunConfig) -> list[str]:
     t = cfg.train
     lines = ["estimated step (compute incl. bubble | tensor+stage transfers | data+fsdp transfers, overlapped):"]
     for name, accelerator in ACCELERATORS.items():

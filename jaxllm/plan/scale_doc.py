@@ -23,8 +23,6 @@ def page() -> str:
     cfg = load_config(CONFIG)
     m, t = cfg.model, cfg.train
     counts = param_counts(m)
-    wide = cfg.copy_and_resolve_references()
-    wide.model.num_layers = 1200
     kv = {dtype: kv_cache_bytes(m, 1, 8192, dtype) for dtype in ("bf16", "int8")}
     kv_1200_fp32 = 2 * 1200 * 8192 * m.hidden * 4
     layer = korthikanti_layer_bytes(m, t.seq_len, 1)
@@ -32,10 +30,8 @@ def page() -> str:
     activations = planned[f"activations (remat {m.remat})"]
     rows = t.batch_size // cfg.parallel.microbatches // cfg.parallel.fsdp
     weights = weight_bytes(m)
-    pp8 = cfg.copy_and_resolve_references()
-    pp8.parallel.update(stage=8, fsdp=1)
     try:
-        validate(pp8, 64)
+        validate(cfg.updated(parallel=dict(stage=8, fsdp=1)), 64)
         refusal = "(accepted)"
     except ConfigError as e:
         refusal = str(e)
@@ -55,7 +51,7 @@ regenerates it and fails if this page differs. Each figure names the command tha
   {m.qkv_share_every} layers count once per layer that applies them), so a training token costs
   {flops_per_token(m, t.seq_len) / 1e12:.3f} TFLOPs at sequence {t.seq_len}.
   `{PLAN}` (`total`, `applied matmul params/token`, `training FLOPs/token`).
-- 1200 layers at this width would store {param_counts(wide.model)["total"] / 1e12:.2f}T parameters:
+- 1200 layers at this width would store {param_counts(m.replace(num_layers=1200))["total"] / 1e12:.2f}T parameters:
   `{PLAN} --config.model.num_layers=1200`.
 
 ## KV cache of one 8k-token sequence

@@ -8,9 +8,7 @@ import dataclasses
 import itertools
 from collections.abc import Iterator
 
-import ml_collections
-
-from jaxllm.config import ConfigError, sizes, validate
+from jaxllm.config import ConfigError, RunConfig, validate
 from jaxllm.plan.estimate import Estimate, estimate
 from jaxllm.plan.hardware import Accelerator
 from jaxllm.plan.memory import memory
@@ -30,11 +28,10 @@ class Layout:
     repeats: int
     sequence_parallel: bool
 
-    def apply(self, cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-        out = cfg.copy_and_resolve_references()
-        out.model.remat = self.remat
-        out.parallel.update({k: v for k, v in dataclasses.asdict(self).items() if k != "remat"})
-        return out
+    def apply(self, cfg: RunConfig) -> RunConfig:
+        """`cfg` in this layout; `ConfigError` if it cannot take it."""
+        parallel = {k: v for k, v in dataclasses.asdict(self).items() if k != "remat"}
+        return cfg.updated(model=dict(remat=self.remat), parallel=parallel)
 
     def overrides(self) -> str:
         """The command-line overrides that run this layout."""
@@ -42,7 +39,7 @@ class Layout:
         return " ".join(f"--config.{'model' if k == 'remat' else 'parallel'}.{k}={v}" for k, v in fields.items())
 
     @classmethod
-    def of(cls, cfg: ml_collections.ConfigDict) -> Layout:
+    def of(cls, cfg: RunConfig) -> Layout:
         p = cfg.parallel
         return cls(p.tensor, p.stage, p.fsdp, p.data, cfg.model.remat, p.microbatches, p.repeats, p.sequence_parallel)
 
@@ -58,10 +55,10 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(cfg: ml_collections.ConfigDict, gpus: int, per_node: int) -> Iterator[Layout]:
+def layouts(cfg: RunConfig, gpus: int, per_node: int) -> Iterator[Layout]:
     """Every layout worth trying: tensor parallelism inside a node, pipeline stages on group
     boundaries, microbatches a power-of-two multiple of the stages."""
-    groups, rows = sizes(cfg.model).groups, cfg.train.batch_size // cfg.train.grad_accum_steps
+    groups, rows = cfg.model.groups, cfg.train.batch_size // cfg.train.grad_accum_steps
     for tensor in (t for t in _divisors(min(gpus, per_node)) if gpus % t == 0):
         for stage in (s for s in _divisors(groups) if (gpus // tensor) % s == 0):
             for fsdp in _divisors(gpus // (tensor * stage)):
@@ -75,13 +72,13 @@ def layouts(cfg: ml_collections.ConfigDict, gpus: int, per_node: int) -> Iterato
 
 
 def search(
-    cfg: ml_collections.ConfigDict, gpus: int, accelerator: Accelerator, headroom: float = HEADROOM
+    cfg: RunConfig, gpus: int, accelerator: Accelerator, headroom: float = HEADROOM
 ) -> tuple[list[Candidate], int]:
     """(the layouts that pass the checks and fit, fastest first; how many passed the checks)."""
     fitting, valid = [], 0
     for layout in layouts(cfg, gpus, accelerator.per_node):
-        candidate = layout.apply(cfg)
         try:
+            candidate = layout.apply(cfg)
             validate(candidate, gpus)
         except ConfigError:
             continue

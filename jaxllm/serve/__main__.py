@@ -6,13 +6,14 @@ import logging as std_logging
 import os
 import pathlib
 import socket
+import sys
 import threading
 
 import uvicorn
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import logging
 
-from jaxllm.config import ConfigError, base_config
+from jaxllm import cli
+from jaxllm.config import ConfigError, RunConfig
 from jaxllm.data.tokenizer import prompt_ids
 from jaxllm.errors import exit_on_error
 from jaxllm.hf.config import require_hf_dir
@@ -23,34 +24,36 @@ from jaxllm.serve.guards import DenyList, load_api_keys
 from jaxllm.serve.load import serving_setup, start_engine
 from jaxllm.serve.metrics import Metrics
 from jaxllm.serve.server import Server
-
-CONFIG = config_flags.DEFINE_config_dict("config", base_config(), "Overrides of the checkpoint's config.")
-WORKDIR = flags.DEFINE_string("workdir", None, "A training run: serve its latest readable checkpoint.")
-CHECKPOINT = flags.DEFINE_string("checkpoint", None, "An export (python -m jaxllm.export or jaxllm.convert).")
-HF = flags.DEFINE_string("hf", None, "A Hugging Face Llama directory (config.json, safetensors, tokenizer.json).")
-QUANTIZE = flags.DEFINE_enum(
-    "quantize", None, ["int8"], "int8 weights, per-output-channel scales, quantized at load (an int8 export: as is)."
-)
-TOKENIZER = flags.DEFINE_string("tokenizer", None, "'gpt2' or a tokenizer.json instead of the saved one (must match).")
-API_KEYS = flags.DEFINE_string("api-keys", None, "A file of API keys, one per line (also: JAXLLM_API_KEYS=k1,k2).")
-DENY = flags.DEFINE_string("deny", None, "A file of regexes, one per line, refused in any request's text.")
-CHAT_TEMPLATE = flags.DEFINE_string(
-    "chat-template",
-    None,
-    "A Jinja chat template instead of the model's own (its tokenizer_config.json) or the built-in one.",
-)
-PROMPT = flags.DEFINE_multi_string("prompt", [], "Complete this prompt and exit instead of serving (repeatable).")
-MAX_TOKENS = flags.DEFINE_integer("max-tokens", 64, "With --prompt: tokens to generate per prompt.")
-TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "With --prompt: 0 is greedy.")
-SEED = flags.DEFINE_integer("seed", 0, "With --prompt: the sampling seed.")
+from jaxllm.serve.settings import ServeConfig, Serving
 
 
-def complete_prompts(path: str, cfg, tokenizer) -> None:
-    engine = start_engine(path, cfg, tokenizer)
+def _parser():
+    parser = cli.parser("python -m jaxllm.serve", __doc__, [ServeConfig, RunConfig])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--workdir", help="a training run: serve its latest readable checkpoint")
+    source.add_argument("--checkpoint", help="an export (python -m jaxllm.export or jaxllm.convert)")
+    source.add_argument("--hf", help="a Hugging Face Llama directory (config.json, safetensors, tokenizer.json)")
+    parser.add_argument("--quantize", choices=["int8"], help="int8 weights, per-output-channel scales, quantized at "
+                        "load (an int8 export: as is)")  # fmt: skip
+    parser.add_argument("--tokenizer", help="'gpt2' or a tokenizer.json instead of the saved one (must match)")
+    parser.add_argument("--api-keys", help="a file of API keys, one per line (also: JAXLLM_API_KEYS=k1,k2)")
+    parser.add_argument("--deny", help="a file of regexes, one per line, refused in any request's text")
+    parser.add_argument("--chat-template", help="a Jinja chat template instead of the model's own (its "
+                        "tokenizer_config.json) or the built-in one")  # fmt: skip
+    parser.add_argument("--prompt", action="append", default=[], help="complete this prompt and exit instead of "
+                        "serving (repeatable)")  # fmt: skip
+    parser.add_argument("--max-tokens", type=int, default=64, help="with --prompt: tokens to generate per prompt")
+    parser.add_argument("--temperature", type=float, default=0.0, help="with --prompt: 0 is greedy")
+    parser.add_argument("--seed", type=int, default=0, help="with --prompt: the sampling seed")
+    return parser
+
+
+def complete_prompts(path: str, serving: Serving, tokenizer, args) -> None:
+    engine = start_engine(path, serving, tokenizer)
     requests = [
-        Request(prompt_ids(tokenizer, p), MAX_TOKENS.value, TEMPERATURE.value, seed=SEED.value) for p in PROMPT.value
+        Request(prompt_ids(tokenizer, p), args.max_tokens, args.temperature, seed=args.seed) for p in args.prompt
     ]
-    for generation, prompt in zip(engine.generate(requests), PROMPT.value, strict=True):
+    for generation, prompt in zip(engine.generate(requests), args.prompt, strict=True):
         choice = generation.choices()[0]
         print(f"--- {prompt!r} ({choice.finish_reason}, {len(choice.tokens)} tokens)\n{prompt}{choice.text}")
 
@@ -59,13 +62,13 @@ def special_tokens(tokenizer) -> dict[str, str]:
     return {"bos_token": tokenizer.decode([tokenizer.bos_id]), "eos_token": tokenizer.decode([tokenizer.eos_id])}
 
 
-def serve_http(path: str, cfg, tokenizer) -> None:
+def serve_http(path: str, serving: Serving, tokenizer, args) -> None:
     """Listens at once; loads and compiles in a thread that then steps the engine until shutdown."""
-    s = cfg.serve
+    s = serving.settings
     server = Server(
-        s, Limits.of(cfg, tokenizer), s.model_name or pathlib.Path(path).absolute().name, tokenizer,
-        ChatTemplate.chosen(CHAT_TEMPLATE.value, tokenizer.chat_template, special_tokens(tokenizer)),
-        DenyList.from_file(DENY.value), load_api_keys(API_KEYS.value), Metrics(s.slots),
+        s, Limits.of(serving, tokenizer), s.model_name or pathlib.Path(path).absolute().name, tokenizer,
+        ChatTemplate.chosen(args.chat_template, tokenizer.chat_template, special_tokens(tokenizer)),
+        DenyList.from_file(args.deny), load_api_keys(args.api_keys), Metrics(s.slots),
     )  # fmt: skip
     try:
         listening = socket.create_server((s.host, s.port))
@@ -79,7 +82,7 @@ def serve_http(path: str, cfg, tokenizer) -> None:
 
     def run_engine() -> None:
         try:
-            server.engine = start_engine(path, cfg, tokenizer)
+            server.engine = start_engine(path, serving, tokenizer)
             print(f"serve: {server.model_name!r} ready at http://{s.host}:{s.port}/v1", flush=True)
             server.engine.serve_forever(stop, server.metrics.step_slots.observe)
         except Exception as e:
@@ -99,21 +102,20 @@ def serve_http(path: str, cfg, tokenizer) -> None:
 
 
 @exit_on_error
-def main(argv) -> None:
-    del argv
+def main(argv: list[str] | None = None) -> None:
+    rest, texts = cli.split_overrides(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(rest)
+    cli.quiet_jax_logs()
     logging.set_verbosity(logging.WARNING)
-    sources = [s for s in (WORKDIR.value, CHECKPOINT.value, HF.value) if s is not None]
-    if len(sources) != 1:
-        raise ConfigError("pass exactly one of --workdir RUN (a training run), --checkpoint EXPORT or --hf DIR")
-    if HF.value is not None:
-        require_hf_dir(HF.value, "--hf")
-    path = sources[0]
-    overrides = config_flags.get_override_values(flags.FLAGS["config"])
-    if QUANTIZE.value:
-        overrides["model.quantize"] = QUANTIZE.value
-    cfg, tokenizer = serving_setup(path, overrides, TOKENIZER.value)
-    (complete_prompts if PROMPT.value else serve_http)(path, cfg, tokenizer)
+    if args.hf is not None:
+        require_hf_dir(args.hf, "--hf")
+    path = args.workdir or args.checkpoint or args.hf
+    overrides = cli.typed_overrides(texts, [ServeConfig, RunConfig])
+    if args.quantize:
+        overrides["model.quantize"] = args.quantize
+    serving, tokenizer = serving_setup(path, overrides, args.tokenizer)
+    (complete_prompts if args.prompt else serve_http)(path, serving, tokenizer, args)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main()

@@ -27,11 +27,11 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxllm.config import ModelConfig
 from jaxllm.data.tokenizer import Tokenizer
 from jaxllm.model.cache import AXES
 from jaxllm.model.sampling import Sampling
@@ -46,18 +46,20 @@ from jaxllm.serve.generation import (
     Unavailable,
 )
 from jaxllm.serve.guards import prompt_perplexity
+from jaxllm.serve.settings import Serving
 from jaxllm.serve.steps import DecodeState, Prefix, Tokens, bucket_for, decode, insert, prefill, prompt_buckets
 
 log = logging.getLogger("jaxllm.serve")
 
 
 class Engine:
-    """Serves `params` (in `mesh`'s shardings) of the model in `cfg` (see `serve.settings.serving_config`)."""
+    """Serves `params` (in `mesh`'s shardings) of `serving.model` as `serving.settings` say (see
+    `serve.settings.serving_config`)."""
 
-    def __init__(self, params: dict, cfg: ml_collections.ConfigDict, tokenizer: Tokenizer, mesh: Mesh):
-        self.params, self.cfg, self.tokenizer, self.mesh = params, cfg, tokenizer, mesh
-        s, model = cfg.serve, cfg.model
-        self.limits = Limits.of(cfg, tokenizer)
+    def __init__(self, params: dict, serving: Serving, tokenizer: Tokenizer, mesh: Mesh):
+        self.params, self.tokenizer, self.mesh = params, tokenizer, mesh
+        self.model, self.settings = model, s = serving.model, serving.settings
+        self.limits = Limits.of(serving, tokenizer)
         self.slots, self.max_len, self.vocab_size = s.slots, s.max_len, self.limits.vocab_size
         self.buckets = prompt_buckets(s.max_prompt_tokens, s.max_len)
         self._waiting: collections.deque[Generation] = collections.deque()
@@ -78,7 +80,7 @@ class Engine:
             self.state = jax.device_put(state, self._shardings)
             self._compile(model, self._shardings)
 
-    def _compile(self, model: ml_collections.ConfigDict, shardings: DecodeState) -> None:
+    def _compile(self, model: ModelConfig, shardings: DecodeState) -> None:
         """Every step the engine will run, compiled now: a prefill and an insert per prompt bucket,
         and the decode step, each with its outputs' shardings fixed and the decode state donated."""
         cache, replicated = shardings.cache, shardings.tokens
@@ -86,8 +88,8 @@ class Engine:
         prefix_shardings = Prefix(cache, replicated, replicated, replicated)
         for bucket in self.buckets:
             tokens, length = jnp.zeros(bucket, jnp.int32), jnp.int32(1)
-            prefill_step = partial(prefill, model=model, vocab_size=self.vocab_size, logprobs=self.cfg.serve.prompt_nll,
-                                   kv_dtype=self.cfg.serve.kv_dtype)  # fmt: skip
+            prefill_step = partial(prefill, model=model, vocab_size=self.vocab_size, logprobs=self.settings.prompt_nll,
+                                   kv_dtype=self.settings.kv_dtype)  # fmt: skip
             prefill_step = jax.jit(prefill_step, out_shardings=prefix_shardings)
             self._prefill[bucket] = prefill_step.lower(self.params, tokens, length).compile()
             prefix = jax.eval_shape(prefill_step, self.params, tokens, length)
@@ -106,7 +108,7 @@ class Engine:
         `request_id` in the log if given. Raises `RequestError` if it cannot be served,
         `Unavailable` if the queue is full or the engine has stopped."""
         self.limits.check(request)
-        s = self.cfg.serve
+        s = self.settings
         generation = Generation(request, self.tokenizer, time.monotonic() + s.request_timeout_s, loop, request_id)
         with self._lock:
             if self.failure is not None:
@@ -197,7 +199,7 @@ class Engine:
         generation._end(error)
 
     def _late(self, generation: Generation) -> RequestFailed:
-        timeout = self.cfg.serve.request_timeout_s
+        timeout = self.settings.request_timeout_s
         message = (f"request {generation.id} ran past its deadline of {timeout:g} s (serve.request_timeout_s) and was "
                    "stopped; ask for fewer tokens, or retry when the server is less busy")  # fmt: skip
         return RequestFailed(message, "timeout")
@@ -206,7 +208,7 @@ class Engine:
         """A failed decode step: the busy requests end with the error and the decode state is
         rebuilt; past `serve.max_engine_restarts` failures in a row, the engine stops."""
         self._failed_in_a_row += 1
-        if self._failed_in_a_row > self.cfg.serve.max_engine_restarts:
+        if self._failed_in_a_row > self.settings.max_engine_restarts:
             self._stop(failure)
             raise failure
         log.exception("a decode step failed; rebuilding the decode state (restart %d)", self.restarts + 1)
@@ -214,7 +216,7 @@ class Engine:
             message = (f"request {generation.id} was lost when a decode step failed ({type(failure).__name__}) "
                        "and the engine restarted; retry it")  # fmt: skip
             self._drop(generation, RequestFailed(message, "internal_error"))
-        empty = DecodeState.empty(self.cfg.model, self.slots, self.max_len, self.cfg.serve.kv_dtype)
+        empty = DecodeState.empty(self.model, self.slots, self.max_len, self.settings.kv_dtype)
         self.state = jax.device_put(empty, self._shardings)
         self.restarts += 1
 
@@ -254,7 +256,7 @@ class Engine:
         tokens = np.zeros(bucket, np.int32)
         tokens[: len(r.prompt)] = r.prompt
         prefix: Prefix = self._prefill[bucket](self.params, tokens, np.int32(len(r.prompt)))
-        if self.cfg.serve.prompt_nll and not self._judge(generation, prefix):
+        if self.settings.prompt_nll and not self._judge(generation, prefix):
             return
         for choice in range(r.n):
             sampling = Sampling.one(r.temperature, r.top_k, r.top_p, generation.seed, choice)
@@ -267,7 +269,7 @@ class Engine:
 
     def _judge(self, generation: Generation, prefix: Prefix) -> bool:
         """Records the prompt's log-probs and perplexity; False if the alarm refuses it."""
-        s, prompt = self.cfg.serve, jax.device_get(prefix.prompt)
+        s, prompt = self.settings, jax.device_get(prefix.prompt)
         generation.prompt_logprobs = Tokens(*(a[: len(generation.request.prompt) - 1] for a in prompt))
         generation.perplexity = prompt_perplexity(-generation.prompt_logprobs.logprobs)
         generation.alarm = s.ppl_alarm is not None and max(generation.perplexity) > s.ppl_alarm

@@ -15,10 +15,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
-import ml_collections
-
 from jaxllm.data.tokenizer import Tokenizer
 from jaxllm.errors import JaxllmError
+from jaxllm.serve.settings import Serving
 from jaxllm.serve.steps import TOP_LOGPROBS, Tokens
 from jaxllm.serve.stream import MAX_STOPS, TextStream
 
@@ -78,10 +77,10 @@ class Limits:
     top_logprobs: int = TOP_LOGPROBS
 
     @classmethod
-    def of(cls, cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> Limits:
-        """The limits of serving `cfg` (see `serve.settings.serving_config`) with `tokenizer`."""
-        s = cfg.serve
-        vocab = min(tokenizer.vocab_size, cfg.model.vocab_size)
+    def of(cls, serving: Serving, tokenizer: Tokenizer) -> Limits:
+        """The limits of `serving` (see `serve.settings.serving_config`) with `tokenizer`."""
+        s = serving.settings
+        vocab = min(tokenizer.vocab_size, serving.model.vocab_size)
         return cls(s.slots, s.max_len, min(s.max_prompt_tokens, s.max_len - 1), vocab)
 
     def check(self, r: Request) -> None:

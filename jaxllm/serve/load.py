@@ -1,7 +1,7 @@
 """What a server starts from: a training run's latest readable checkpoint (from any training mesh
-or pipeline), an export or a Hugging Face Llama directory; its config with `serve.*` overrides on
-top, its tokenizer, and the params alone, cast to the serving dtype and read straight into the
-serving shardings."""
+or pipeline), an export or a Hugging Face Llama directory; its config with overrides on top, its
+tokenizer, and the params alone, cast to the serving dtype and read straight into the serving
+shardings."""
 
 from __future__ import annotations
 
@@ -9,44 +9,47 @@ import pathlib
 from typing import Any
 
 import jax
-import ml_collections
 
 from jaxllm.checkpoint import load_params, stored_config
-from jaxllm.config import ConfigError, apply_overrides
+from jaxllm.config import ConfigError
 from jaxllm.data.tokenizer import Tokenizer, get_tokenizer, load_saved_tokenizer
 from jaxllm.hf.config import is_hf_dir
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.serve.engine import Engine
-from jaxllm.serve.settings import serving_config
+from jaxllm.serve.settings import ServeConfig, Serving, serving_config
+
+SERVE = "serve."
 
 
 def serving_setup(
     path: str | pathlib.Path, overrides: dict[str, Any] | None = None, tokenizer: str | None = None
-) -> tuple[ml_collections.ConfigDict, Tokenizer]:
-    """The config and tokenizer to serve the run or export at `path` (quick: reads no params).
-    `overrides` are dotted config fields; `tokenizer` replaces the saved one, which it must match."""
-    path = pathlib.Path(path)
+) -> tuple[Serving, Tokenizer]:
+    """The model, settings and tokenizer to serve the run or export at `path` (quick: reads no
+    params). `overrides` are dotted fields: `serve.*` set the server, the others the stored config;
+    `tokenizer` replaces the saved one, which it must match."""
+    path, overrides = pathlib.Path(path), overrides or {}
     if is_hf_dir(path):  # its tokenizer.json, if it has one, lies beside its config.json
         saved_tokenizer = get_tokenizer(tokenizer or path)
     else:
         saved_tokenizer = load_saved_tokenizer(path / "tokenizer", tokenizer)
-    cfg = stored_config(path)
-    stored_int8 = cfg.model.quantize == "int8"
-    apply_overrides(cfg, overrides or {})
-    if stored_int8 and cfg.model.quantize != "int8":
+    stored = stored_config(path)
+    cfg = stored.overridden({k: v for k, v in overrides.items() if not k.startswith(SERVE)})
+    if stored.model.quantize == "int8" and cfg.model.quantize != "int8":
         raise ConfigError(f"{path} holds int8 weights, which serve only as int8; drop the model.quantize override "
                           "or serve the training run it was exported from")  # fmt: skip
-    return serving_config(cfg, jax.local_device_count()), saved_tokenizer
+    settings = ServeConfig.from_dict({k[len(SERVE) :]: v for k, v in overrides.items() if k.startswith(SERVE)})
+    return serving_config(cfg, settings, jax.local_device_count()), saved_tokenizer
 
 
-def start_engine(path: str | pathlib.Path, cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> Engine:
+def start_engine(path: str | pathlib.Path, serving: Serving, tokenizer: Tokenizer) -> Engine:
     """Reads the params at `path` into the serving shardings and compiles every step."""
-    mesh = make_mesh(cfg.parallel, jax.local_devices()[: cfg.serve.tensor])
-    _, params, step = load_params(pathlib.Path(path), mesh, cfg.serve.dtype, quantize=cfg.model.quantize)
-    weights = f"int8 weights, {cfg.serve.dtype} compute" if cfg.model.quantize else cfg.serve.dtype
-    print(f"serve: step {step} of {pathlib.Path(path).absolute()}, {weights}, {cfg.serve.kv_dtype} KV cache, tensor "
-          f"parallel over {cfg.serve.tensor}", flush=True)  # fmt: skip
-    return Engine(params, cfg, tokenizer, mesh)
+    s, model = serving.settings, serving.model
+    mesh = make_mesh(serving.parallel, jax.local_devices()[: s.tensor])
+    _, params, step = load_params(pathlib.Path(path), mesh, s.dtype, quantize=model.quantize)
+    weights = f"int8 weights, {s.dtype} compute" if model.quantize else s.dtype
+    print(f"serve: step {step} of {pathlib.Path(path).absolute()}, {weights}, {s.kv_dtype} KV cache, tensor "
+          f"parallel over {s.tensor}", flush=True)  # fmt: skip
+    return Engine(params, serving, tokenizer, mesh)
 
 
 def load_engine(

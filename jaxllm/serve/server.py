@@ -10,7 +10,6 @@ import json
 import logging
 from collections.abc import AsyncIterator
 
-import ml_collections
 from fastapi import Request as HttpRequest
 from pydantic import BaseModel, ValidationError
 
@@ -23,6 +22,7 @@ from jaxllm.serve.engine import Engine
 from jaxllm.serve.generation import Delta, Generation, Limits, Request, RequestError, RequestFailed, Unavailable
 from jaxllm.serve.guards import DenyList, RateLimiter
 from jaxllm.serve.metrics import Metrics
+from jaxllm.serve.settings import ServeConfig
 
 log = logging.getLogger("jaxllm.serve")
 NAME_SHOWN = 64  # characters of a client's model name repeated in a refusal
@@ -33,7 +33,7 @@ UPPER_BOUNDS = ("less_than", "less_than_equal", "too_long")  # pydantic's error 
 class Server:
     """`engine` is None until it has compiled every step."""
 
-    settings: ml_collections.ConfigDict  # cfg.serve
+    settings: ServeConfig
     limits: Limits
     model_name: str
     tokenizer: Tokenizer

@@ -1,59 +1,100 @@
-"""A checkpoint's config made ready to serve: `serve.*` checked and resolved, the model and mesh
-set for the serving engine."""
+"""What a server is set to (`ServeConfig`, the `serve` section of `--config.serve.x=v`), and a
+model made ready to serve with it (`serving_config`)."""
 
 from __future__ import annotations
 
-import ml_collections
+import dataclasses
+from typing import ClassVar, Literal
 
-from jaxllm.config import QUANTIZE, require, sizes, validate_tensor
+from jaxllm.config import ModelConfig, ParallelConfig, RunConfig, Section, field, require, validate_tensor
 
-SERVE_DTYPES = ("float32", "bfloat16", "float16")
-KV_DTYPES = (*SERVE_DTYPES, "int8")
+ServeDtype = Literal["float32", "bfloat16", "float16"]
+KvDtype = Literal["float32", "bfloat16", "float16", "int8"]
+DEFAULT_MAX_LEN = 8192  # a slot's length unless set: a 128k-context model would give each slot gigabytes
 
 
-def serving_config(cfg: ml_collections.ConfigDict, local_devices: int) -> ml_collections.ConfigDict:
-    """A checkpoint's config made ready to serve: `serve.*` checked and resolved, the model set to
-    compute in the serving dtype with plain XLA attention, no remat and no FP8 (a per-tensor scale
-    over a batch of slots would make each request's output depend on the others'), and the mesh a
-    `tensor` axis over local devices (no pipeline: the KV cache needs the plain stack)."""
-    cfg = cfg.copy_and_resolve_references()
-    m, s = cfg.model, cfg.serve
-    s.max_len = s.max_len or m.max_seq_len
-    s.dtype = s.dtype or m.dtype
-    s.kv_dtype = s.kv_dtype or s.dtype
-    if s.tensor == -1:  # the most local devices that split every tensor-parallel dimension evenly
-        split = (m.num_heads, sizes(m).kv_heads, m.mlp, sizes(m).padded_vocab)
-        s.tensor = max(n for n in range(1, local_devices + 1) if all(dim % n == 0 for dim in split))
-    require(s.slots >= 1, f"serve.slots={s.slots} must be at least 1")
+@dataclasses.dataclass(frozen=True)
+class ServeConfig(Section):
+    name: ClassVar[str] = "serve"
+    slots: int = field(8, "requests decoded together, one KV-cache slot each")
+    max_len: int | None = field(None, f"tokens a slot holds, prompt and output (None: model.max_seq_len, at most "
+                                      f"{DEFAULT_MAX_LEN})")  # fmt: skip
+    max_prompt_tokens: int = field(8192, "the longest prompt (also capped at max_len - 1)")
+    dtype: ServeDtype | None = field(None, "params and activations (None: model.dtype)")
+    kv_dtype: KvDtype | None = field(None, "the KV cache: a float dtype, or 'int8' with per-token scales (None: dtype)")
+    tensor: int = field(-1, "devices for tensor parallelism (-1: as many local ones as split the heads evenly)")
+    prompt_nll: bool = field(False, "each prompt token's log-prob (the LM head over every prompt token)")
+    host: str = field("127.0.0.1", "where the HTTP server listens")
+    port: int = field(8000, "and on which port")
+    model_name: str | None = field(None, "the id clients ask for (None: the run's or export's directory name)")
+    max_body_bytes: int = field(1 << 20, "larger request bodies: 413")
+    rate_per_s: float = field(10.0, "each API key's (or, without keys, client address's) request rate")
+    burst: int = field(40, "and the burst it may spend at once; beyond: 429")
+    max_queue: int = field(64, "requests waiting for a slot; beyond: 503")
+    request_timeout_s: float = field(600.0, "a request still unfinished this long after it arrived ends with an error")
+    body_timeout_s: float = field(30.0, "a request body still arriving after this long: 408")
+    max_engine_restarts: int = field(3, "failed decode steps in a row the engine recovers from; one more stops it")
+    ppl_alarm: float | None = field(None, "prompt perplexity (whole, or any 32-token window) to flag; None: off")
+    ppl_reject: bool = field(False, "refuse flagged prompts (400) instead of only counting and logging them")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.slots >= 1, f"serve.slots={self.slots} must be at least 1")
+        require(self.max_prompt_tokens >= 1, f"serve.max_prompt_tokens={self.max_prompt_tokens} must be at least 1")
+        require(0 < self.port < 65536, f"serve.port={self.port} must be in 1..65535")
+        require(self.max_body_bytes >= 1, f"serve.max_body_bytes={self.max_body_bytes} must be at least 1")
+        require(self.rate_per_s > 0, f"serve.rate_per_s={self.rate_per_s} must be above 0 (requests a second a key)")
+        require(self.burst >= 1, f"serve.burst={self.burst} must be at least 1")
+        require(self.max_queue >= 0, f"serve.max_queue={self.max_queue} must be at least 0")
+        for name in ("request_timeout_s", "body_timeout_s"):
+            require(getattr(self, name) > 0, f"serve.{name}={getattr(self, name)} must be above 0 (seconds)")
+        restarts = self.max_engine_restarts
+        require(restarts >= 0, f"serve.max_engine_restarts={restarts} must be at least 0")
+        require(
+            self.ppl_alarm is None or self.ppl_alarm > 1,
+            f"serve.ppl_alarm={self.ppl_alarm} must be above 1 (a perplexity), or None to turn the alarm off",
+        )
+        require(
+            not self.ppl_reject or self.ppl_alarm is not None, "serve.ppl_reject needs serve.ppl_alarm, the threshold"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Serving:
+    """What an engine serves: the model as it computes there, and the settings, every one resolved."""
+
+    model: ModelConfig
+    settings: ServeConfig
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        """The serving mesh: a `tensor` axis over local devices (no pipeline: the KV cache needs the plain stack)."""
+        return ParallelConfig(data=1, tensor=self.settings.tensor)
+
+
+def serving_config(cfg: RunConfig, settings: ServeConfig, local_devices: int) -> Serving:
+    """A checkpoint's config made ready to serve with `settings`: each setting left None resolved,
+    the model set to compute in the serving dtype with plain XLA attention, no remat and no FP8 (a
+    per-tensor scale over a batch of slots would make each request's output depend on the others')."""
+    m, s = cfg.model, settings
+    tensor = s.tensor
+    if tensor == -1:  # the most local devices that split every tensor-parallel dimension evenly
+        split = (m.num_heads, m.num_kv_heads, m.mlp, m.padded_vocab)
+        tensor = max(n for n in range(1, local_devices + 1) if all(dim % n == 0 for dim in split))
+    dtype = s.dtype or m.dtype
+    s = s.replace(
+        max_len=s.max_len or min(m.max_seq_len, DEFAULT_MAX_LEN), dtype=dtype, kv_dtype=s.kv_dtype or dtype,
+        tensor=tensor, prompt_nll=s.prompt_nll or s.ppl_alarm is not None,  # the alarm reads the prompt's log-probs
+    )  # fmt: skip
     require(
         2 <= s.max_len <= m.max_seq_len,
         f"serve.max_len={s.max_len} must be between 2 and model.max_seq_len={m.max_seq_len} (the longest "
         "context the model was built for); lower serve.max_len or raise model.max_seq_len",
     )
-    require(s.max_prompt_tokens >= 1, f"serve.max_prompt_tokens={s.max_prompt_tokens} must be at least 1")
-    require(0 < s.port < 65536, f"serve.port={s.port} must be in 1..65535")
-    require(s.max_body_bytes >= 1, f"serve.max_body_bytes={s.max_body_bytes} must be at least 1")
-    require(s.rate_per_s > 0, f"serve.rate_per_s={s.rate_per_s} must be above 0 (requests per second per key)")
-    require(s.burst >= 1, f"serve.burst={s.burst} must be at least 1")
-    require(s.max_queue >= 0, f"serve.max_queue={s.max_queue} must be at least 0")
-    for field in ("request_timeout_s", "body_timeout_s"):
-        require(s[field] > 0, f"serve.{field}={s[field]} must be above 0 (seconds)")
-    require(s.max_engine_restarts >= 0, f"serve.max_engine_restarts={s.max_engine_restarts} must be at least 0")
-    require(
-        s.ppl_alarm is None or s.ppl_alarm > 1,
-        f"serve.ppl_alarm={s.ppl_alarm} must be above 1 (a perplexity), or None to turn the alarm off",
-    )
-    require(not s.ppl_reject or s.ppl_alarm is not None, "serve.ppl_reject needs serve.ppl_alarm, the threshold")
-    s.prompt_nll = s.prompt_nll or s.ppl_alarm is not None  # the alarm reads the prompt's log-probs
-    require(s.dtype in SERVE_DTYPES, f"serve.dtype={s.dtype!r} is unknown; use one of {SERVE_DTYPES}")
-    require(s.kv_dtype in KV_DTYPES, f"serve.kv_dtype={s.kv_dtype!r} is unknown; use one of {KV_DTYPES}")
-    require(m.quantize in QUANTIZE, f"model.quantize={m.quantize!r} is unknown; use one of {QUANTIZE}")
     require(
         1 <= s.tensor <= local_devices,
         f"serve.tensor={s.tensor}: this host has {local_devices} devices; use 1 to {local_devices} (-1: all)",
     )
     validate_tensor(m, s.tensor, "serve.tensor")
-    m.update(dtype=s.dtype, attention="xla", remat="none")
-    m.fp8.enabled = False
-    cfg.parallel.update(data=1, fsdp=1, stage=1, tensor=s.tensor, microbatches=1, repeats=1, sequence_parallel=False)
-    return cfg
+    model = m.replace(dtype=s.dtype, attention="xla", remat="none", fp8=m.fp8.replace(enabled=False))
+    return Serving(model, s)

@@ -14,9 +14,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from jax.sharding import PartitionSpec as P
 
+from jaxllm.config import ModelConfig
 from jaxllm.model.cache import KVCache
 from jaxllm.model.decoder import forward
 from jaxllm.model.sampling import Sampling, sample
@@ -82,7 +82,7 @@ class DecodeState(NamedTuple):
     sampling: Sampling
 
     @classmethod
-    def empty(cls, model: ml_collections.ConfigDict, slots: int, max_len: int, dtype=None) -> DecodeState:
+    def empty(cls, model: ModelConfig, slots: int, max_len: int, dtype=None) -> DecodeState:
         def zeros(dtype=jnp.int32):  # separate buffers, so the state can be donated
             return jnp.zeros(slots, dtype)
 
@@ -95,7 +95,7 @@ def prefill(
     tokens: jax.Array,
     length: jax.Array,
     *,
-    model: ml_collections.ConfigDict,
+    model: ModelConfig,
     vocab_size: int,
     logprobs: bool,
     kv_dtype: str | None = None,
@@ -132,7 +132,7 @@ def insert(prefix: Prefix, state: DecodeState, slot: jax.Array, sampling: Sampli
     return state, _tokens(prefix.logits[None], first, vocab_size)
 
 
-def decode(params: dict, state: DecodeState, logprobs: jax.Array, *, model: ml_collections.ConfigDict, vocab_size: int):
+def decode(params: dict, state: DecodeState, logprobs: jax.Array, *, model: ModelConfig, vocab_size: int):
     """One step for every slot: (state, each slot's next token as `Tokens`, with log-probs if
     `logprobs`, a bool: their top-k over the vocab costs as much as sampling). Idle slots compute
     too; their positions stop at the cache's end."""

@@ -19,10 +19,9 @@ import sys
 import time
 
 import jax
-import ml_collections
 
 from jaxllm import plan
-from jaxllm.config import MESH_AXES, ConfigError, validate
+from jaxllm.config import ConfigError, RunConfig, validate
 from jaxllm.parallel.mesh import describe, make_mesh
 from jaxllm.plan.comm import by_kind, communication
 from jaxllm.plan.hlo import collective_bytes
@@ -33,18 +32,18 @@ DEVICES_ENV = "JAXLLM_DRY_RUN_DEVICES"
 AS_ON_GPU = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}  # see the module's doc
 
 
-def ensure_fake_devices(cfg: ml_collections.ConfigDict, module: str = "jaxllm.train") -> None:
-    """Re-executes this command (`python -m module ...`) on as many fake CPU devices as the mesh
-    has, unless it already runs on them. Must run before JAX initialises a backend."""
-    sizes = [cfg.parallel[a] for a in MESH_AXES]
-    if -1 in sizes:
-        raise ConfigError(f"--dry-run needs explicit mesh sizes, got {dict(zip(MESH_AXES, sizes, strict=True))}")
-    devices = str(math.prod(sizes))
+def ensure_fake_devices(cfg: RunConfig) -> None:
+    """Re-executes this command (`python -m jaxllm.train ...`) on as many fake CPU devices as the
+    mesh has, unless it already runs on them. Must run before JAX initialises a backend."""
+    sizes = cfg.parallel.sizes
+    if -1 in sizes.values():
+        raise ConfigError(f"--dry-run needs explicit mesh sizes, got {sizes}")
+    devices = str(math.prod(sizes.values()))
     if os.environ.get(DEVICES_ENV) == devices:
         return
     flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
     env = {**os.environ, DEVICES_ENV: devices, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
-    os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], env)
+    os.execve(sys.executable, [sys.executable, "-m", "jaxllm.train", *sys.argv[1:]], env)
 
 
 def _gib(n: float) -> str:
@@ -55,7 +54,7 @@ BATCH_DTYPES = {"inputs": "int32", "targets": "int32", "segment_ids": "int32", "
                 "loss_mask": "float32"}  # what the data loader feeds  # fmt: skip
 
 
-def lower_abstract_step(cfg: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> jax.stages.Lowered:
+def lower_abstract_step(cfg: RunConfig, mesh: jax.sharding.Mesh) -> jax.stages.Lowered:
     """The train step lowered for `mesh` from shapes alone: nothing is allocated or read."""
     t = cfg.train
     with jax.set_mesh(mesh):
@@ -72,7 +71,7 @@ def peak_bytes(mem) -> int:
     return mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
 
 
-def dry_run(cfg: ml_collections.ConfigDict) -> None:
+def dry_run(cfg: RunConfig) -> None:
     """`python -m jaxllm.train --dry-run`: the mesh, the planner's summary, the compiler's figures."""
     validate(cfg, jax.device_count())
     print(describe(make_mesh(cfg.parallel)))
@@ -80,15 +79,14 @@ def dry_run(cfg: ml_collections.ConfigDict) -> None:
     compare_with_compiler(cfg)
 
 
-def compare_with_compiler(cfg: ml_collections.ConfigDict) -> None:
+def compare_with_compiler(cfg: RunConfig) -> None:
     """Compiles the train step for the configured mesh (the devices must be there: see
     `ensure_fake_devices`) and prints its memory and collectives beside the planner's."""
     validate(cfg, jax.device_count())
     mesh = make_mesh(cfg.parallel)
     if cfg.model.attention != "xla":
         print(f"model.attention={cfg.model.attention!r} runs on GPUs only: compiling 'xla' attention in its place")
-        cfg = cfg.copy_and_resolve_references()
-        cfg.model.attention = "xla"
+        cfg = cfg.updated(model=dict(attention="xla"))
     start = time.perf_counter()
     lowered = lower_abstract_step(cfg, mesh)
     compiled = lowered.compile(compiler_options=AS_ON_GPU)

@@ -1,18 +1,12 @@
-"""What goes wrong in a training process and the signals around it: non-finite steps, preemption
-requests, liveness heartbeats, and the fault injection that tests use to kill a run at a chosen
-point."""
+"""What goes wrong in a training process and the signals around it: non-finite steps and
+preemption requests."""
 
 from __future__ import annotations
 
-import os
-import pathlib
 import signal
-import time
 
 import jax
 from jax.experimental import multihost_utils
-
-HEARTBEAT_ENV = "JAXLLM_HEARTBEAT_FILE"
 
 
 class NonFiniteSteps:
@@ -73,15 +67,3 @@ class Preemption:
     def close(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-
-
-def heartbeat(step: int) -> None:
-    """Touches the file the launcher watches, if there is one: this process is alive at `step`."""
-    if path := os.environ.get(HEARTBEAT_ENV):
-        pathlib.Path(path).write_text(f"{step} {time.time()}\n")
-
-
-def kill_self() -> None:
-    """An abrupt death, as from an OOM killer or a lost node (test fault injection)."""
-    print("debug: killing this process with SIGKILL", flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)

@@ -11,21 +11,20 @@ import sys
 import time
 
 import jax
-import ml_collections
 import numpy as np
 from tqdm import tqdm
 
-from jaxllm import plan
+from jaxllm import heartbeat, plan
 from jaxllm.checkpoint import Checkpointer
 from jaxllm.checkpoint.layout import to_canonical
-from jaxllm.config import validate
+from jaxllm.config import RunConfig, validate
 from jaxllm.data.dataset import prepare_data
 from jaxllm.data.loader import eval_batches, train_batches
 from jaxllm.data.tokenizer import prompt_ids, save_tokenizer
 from jaxllm.model.generate import generate
 from jaxllm.model.sampling import Sampling
 from jaxllm.parallel.mesh import describe, make_mesh
-from jaxllm.train.faults import NonFiniteSteps, Preemption, heartbeat, kill_self
+from jaxllm.train.faults import NonFiniteSteps, Preemption
 from jaxllm.train.metrics import MetricsWriter, memory_in_use, peak_flops
 from jaxllm.train.run import Run, State, build_run
 from jaxllm.train.step import compile_eval_step, compile_train_step, init_state
@@ -42,7 +41,7 @@ def _data_shard(sharding, batch_size: int) -> tuple[int, int, slice]:
     return start // (stop - start), batch_size // (stop - start), slice(start, stop)
 
 
-def train(cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, progress: bool = True) -> dict:
+def train(cfg: RunConfig, workdir: str | pathlib.Path, *, progress: bool = True, hooks: Hooks | None = None) -> dict:
     """Trains `cfg` in `workdir`, resuming from its latest valid checkpoint; returns the last
     logged metrics. Writes `workdir/metrics.jsonl`, TensorBoard events and checkpoints."""
     validate(cfg, jax.device_count(), jax.default_backend())
@@ -53,13 +52,14 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, progre
         save_tokenizer(data.tokenizer, pathlib.Path(workdir) / "tokenizer")
     peak = peak_flops(jax.devices())  # outside the mesh, where a matmul runs on one device
     with jax.set_mesh(run.mesh):
-        loop = Loop(run, workdir, data, peak, progress)
+        loop = Loop(run, workdir, data, peak, progress, hooks or Hooks())
         try:
             for step in loop.bar:
-                loop.state, metrics = loop.step_fn(loop.state, loop.next_batch())
-                heartbeat(step)
+                loop.state, metrics = loop.step_fn(loop.state, loop.next_batch(step))
+                heartbeat.beat(step)
                 loop.handle_non_finite(loop.non_finite.push(step, metrics["skipped"]))
                 loop.checkpoint(step)
+                loop.hooks.stepped(step, loop)
                 stopping = loop.preemption.reached(step)
                 loop.log(step, metrics, force=stopping)
                 if stopping:
@@ -76,14 +76,14 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, progre
 
 def _announce(run: Run, progress: bool) -> None:
     if progress:
-        print(run.cfg.to_json_best_effort(indent=2))
+        print(json.dumps(run.cfg.to_dict(), indent=2))
     print(describe(run.mesh))
     print(plan.summary(run.cfg), flush=True)
     for note in offload_notes(run.cfg, jax.devices()[0].platform):
         print(note)
 
 
-def offload_notes(cfg: ml_collections.ConfigDict, platform: str) -> list[str]:
+def offload_notes(cfg: RunConfig, platform: str) -> list[str]:
     """What each host offload in `cfg` does on `platform`, said at start-up."""
     offloaded = {
         "model.remat='offload': the named activations go to": cfg.model.remat == "offload",
@@ -109,12 +109,28 @@ def roll_back(checkpoints: Checkpointer, state: State, before: int) -> tuple[Sta
     return {**good.state, "step": state["step"]}, good.step
 
 
+class Hooks:
+    """Where a caller reaches into a run between its steps (tests inject faults here: a poisoned
+    batch, a kill after a step or during a save); by default nothing happens."""
+
+    def batch(self, step: int, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The batch (this process's rows, on the host) that step `step` trains on."""
+        return batch
+
+    def saved(self, step: int, loop: Loop) -> None:
+        """The asynchronous save of step `step` has started."""
+
+    def stepped(self, step: int, loop: Loop) -> None:
+        """Step `step` is done, and saved if one was due."""
+
+
 class Loop:
     """A run's moving parts: data, state, compiled steps, checkpoints, metrics, preemption."""
 
-    def __init__(self, run: Run, workdir: str | pathlib.Path, data, peak: tuple[float, str], progress: bool):
+    def __init__(self, run: Run, workdir: str | pathlib.Path, data, peak: tuple[float, str], progress: bool,
+                 hooks: Hooks):  # fmt: skip
         cfg, t = run.cfg, run.cfg.train
-        self.run, self.data = run, data
+        self.run, self.data, self.hooks = run, data, hooks
         eos = data.tokenizer.eos_id
         shard, shards, self.rows = _data_shard(run.batch_sharding, t.batch_size)
         self.batches = train_batches(
@@ -160,8 +176,8 @@ class Loop:
         sharding = self.run.batch_sharding
         return {k: jax.make_array_from_process_local_data(sharding, v, (size, *v.shape[1:])) for k, v in batch.items()}
 
-    def next_batch(self) -> dict[str, jax.Array]:
-        return self._global(next(self.batches))
+    def next_batch(self, step: int) -> dict[str, jax.Array]:
+        return self._global(self.hooks.batch(step, next(self.batches)))
 
     def position(self) -> dict:
         """What a checkpoint keeps besides the arrays: where the data is, and the skip count."""
@@ -180,15 +196,10 @@ class Loop:
             self.non_finite.restart()
 
     def checkpoint(self, step: int) -> None:
-        debug = self.run.cfg.debug
         if self.checkpoints.due(step) or step == self.run.cfg.train.steps:
             self.checkpoints.save(step, self.state, self.position())
             self.saved_step = step
-            if debug.kill_during_save and step == debug.kill_at_step:
-                kill_self()
-        if step == debug.kill_at_step:
-            self.checkpoints.wait()  # "between checkpoints": the earlier saves have landed
-            kill_self()
+            self.hooks.saved(step, self)
 
     def evaluate(self) -> dict[str, float]:
         sums = [self.eval_fn(self.state["params"], b) for b in self.val]

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import jax
-import ml_collections
 import optax
 
+from jaxllm.config import TrainConfig
 from jaxllm.model.params import is_norm
 
 
-def learning_rate(train: ml_collections.ConfigDict) -> optax.Schedule:
+def learning_rate(train: TrainConfig) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=train.lr,
@@ -24,7 +24,7 @@ def _decays(params) -> dict:
     return jax.tree_util.tree_map_with_path(lambda path, _: not is_norm(path), params)
 
 
-def make_optimizer(train: ml_collections.ConfigDict) -> optax.GradientTransformation:
+def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
     return optax.chain(
         optax.clip_by_global_norm(train.clip_norm),
         optax.adamw(

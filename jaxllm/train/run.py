@@ -11,16 +11,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllm.checkpoint import Checkpointer
-from jaxllm.config import ConfigError
+from jaxllm.config import ConfigError, RunConfig, Schedule
 from jaxllm.model.decoder import param_specs
 from jaxllm.model.params import is_spec
 from jaxllm.parallel.rules import OPTIMIZER_RULES, RULES, logical_spec, tree_shardings
-from jaxllm.parallel.schedule import Schedule, schedule_of
 from jaxllm.train.optim import make_optimizer
 
 State = dict[str, Any]  # {'step', 'params', 'opt_state'}: plain arrays, ready for Orbax
@@ -29,7 +27,7 @@ HOST = "pinned_host"  # the memory kind of host-offloaded arrays
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Run:
-    cfg: ml_collections.ConfigDict
+    cfg: RunConfig
     mesh: Mesh
     schedule: Schedule | None
     optimizer: optax.GradientTransformation
@@ -55,8 +53,8 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, logical_spec(("batch", "seq")))
 
 
-def build_run(cfg: ml_collections.ConfigDict, mesh: Mesh) -> Run:
-    schedule, optimizer, p = schedule_of(cfg), make_optimizer(cfg.train), cfg.parallel
+def build_run(cfg: RunConfig, mesh: Mesh) -> Run:
+    schedule, optimizer, p = cfg.parallel.schedule, make_optimizer(cfg.train), cfg.parallel
     dtype = jnp.dtype(cfg.model.param_dtype)
     if p.offload_optimizer:
         check_host_memory(mesh.devices.flat[0])

@@ -6,16 +6,16 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 from flax import nnx
 
 from jaxllm.checkpoint.layout import from_canonical
+from jaxllm.config import ModelConfig, RunConfig, Schedule
 from jaxllm.hf.directory import read_hf_params
 from jaxllm.model.decoder import Decoder, forward, stage_copies
 from jaxllm.model.params import params_of
 from jaxllm.parallel.rules import activation_rules, rules_for
-from jaxllm.parallel.schedule import Schedule, schedule_of, split_microbatches
+from jaxllm.parallel.schedule import split_microbatches
 from jaxllm.train.optim import learning_rate
 from jaxllm.train.run import Run, State, on_device
 
@@ -25,7 +25,7 @@ Batch = dict[str, jax.Array]  # 'inputs', 'targets', optional 'loss_mask', 'segm
 def loss_sums(
     params: dict,
     batch: Batch,
-    model: ml_collections.ConfigDict,
+    model: ModelConfig,
     schedule: Schedule | None = None,
     copies: dict | None = None,
 ) -> tuple[jax.Array, jax.Array]:
@@ -39,15 +39,15 @@ def loss_sums(
 
 
 def mean_loss(
-    params: dict, batch: Batch, model: ml_collections.ConfigDict, schedule: Schedule | None = None
+    params: dict, batch: Batch, model: ModelConfig, schedule: Schedule | None = None
 ) -> jax.Array:
     total, count = loss_sums(params, batch, model, schedule)
     return total / jnp.maximum(count, 1.0)
 
 
-def init_params(cfg: ml_collections.ConfigDict) -> dict:
+def init_params(cfg: RunConfig) -> dict:
     """The decoder's initial params with the run's seed, in the run's pipeline view."""
-    return params_of(Decoder(cfg.model, rngs=nnx.Rngs(cfg.train.seed), schedule=schedule_of(cfg)))
+    return params_of(Decoder(cfg.model, rngs=nnx.Rngs(cfg.train.seed), schedule=cfg.parallel.schedule))
 
 
 def init_state(run: Run) -> State:
@@ -89,10 +89,6 @@ def _train_step(state: State, batch: Batch, run: Run) -> tuple[State, dict]:
     )
     count = jnp.maximum(count, 1.0)
     grads = jax.tree.map(lambda g: g / count, grads)
-    if any(cfg.debug.nan_at_steps):  # fault injection for tests
-        poisoned = jnp.isin(state["step"] + 1, jnp.asarray(cfg.debug.nan_at_steps))
-        total = jnp.where(poisoned, jnp.nan, total)
-        grads = jax.tree.map(lambda g: jnp.where(poisoned, jnp.nan, g), grads)
     grad_norm = optax.tree.norm(grads)
     # A non-finite loss or gradient skips the update: params and optimizer state stay as they were.
     finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
