@@ -24,7 +24,7 @@ from jaxllm.errors import exit_on_error
 from jaxllm.hf.config import ConversionError, check_llama, is_hf_dir, require_hf_dir
 from jaxllm.hf.directory import expanded_qkv_parameters, write_hf
 from jaxllm.hf.files import SAFETENSORS_DTYPES
-from jaxllm.model.decoder import param_specs
+from jaxllm.model.decoder import Model
 from jaxllm.model.params import at_path, count
 from jaxllm.parallel.mesh import make_mesh
 
@@ -45,7 +45,7 @@ def from_hf(hf: str | pathlib.Path, out: str | pathlib.Path) -> None:
         tokenizer = "with its tokenizer"
     else:
         tokenizer = "without a tokenizer (none in the directory: pass --tokenizer when serving)"
-    print(f"from-hf: {hf} → {out.absolute()}: {count(param_specs(cfg.model)):,} parameters (vocab padded to "
+    print(f"from-hf: {hf} → {out.absolute()}: {count(Model(cfg.model).specs):,} parameters (vocab padded to "
           f"{cfg.model.padded_vocab}) in {cfg.model.param_dtype}, {tokenizer}")  # fmt: skip
 
 

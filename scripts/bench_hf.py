@@ -30,7 +30,7 @@ from safetensors import safe_open  # noqa: E402
 
 from jaxllm.checkpoint import load_params  # noqa: E402
 from jaxllm.data.tokenizer import train_bpe  # noqa: E402
-from jaxllm.model.decoder import forward  # noqa: E402
+from jaxllm.model.decoder import Model  # noqa: E402
 from jaxllm.model.generate import generate  # noqa: E402
 
 LLAMA_3_2_1B = dict(
@@ -72,7 +72,7 @@ def same_tensors(a: pathlib.Path, b: pathlib.Path) -> bool:
 def ours(path: pathlib.Path, dtype: str, tokens: np.ndarray):
     cfg, params, _ = load_params(path, dtype=dtype)
     cfg = cfg.updated(model=dict(dtype=dtype))
-    logits = np.asarray(jax.jit(lambda p, t: forward(p, t, cfg.model))(params, tokens))
+    logits = np.asarray(jax.jit(lambda p, t: Model(cfg.model).logits(p, t))(params, tokens))
     return logits[..., : cfg.model.vocab_size], cfg, params
 
 
@@ -114,7 +114,7 @@ def main() -> None:
             with torch.no_grad():
                 want = theirs_model.generate(torch.tensor(prompt[None], device=device), max_new_tokens=32,
                                              min_new_tokens=32, do_sample=False)[0, 16:].tolist()  # fmt: skip
-            got = generate(params, cfg.model, list(prompt), 48)[16:]
+            got = generate(params, Model(cfg.model), list(prompt), 48)[16:]
             same = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(want))
             print(f"greedy fp32: the first {same} of {len(want)} tokens agree")
         del params

@@ -37,7 +37,7 @@ from jaxllm.config import load_config
 from jaxllm.data.dataset import prepare_data
 from jaxllm.data.loader import eval_batches
 from jaxllm.model.cache import KVCache
-from jaxllm.model.decoder import forward
+from jaxllm.model.decoder import Model
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.serve.load import load_engine, serving_setup
 from jaxllm.train.dry_run import peak_bytes
@@ -66,9 +66,9 @@ def perplexity(params, model, batches, kv_dtype=None) -> float:
     def sums(params, batch):
         inputs = batch["inputs"]
         if kv_dtype is None:
-            logits = forward(params, inputs, model)
+            logits = Model(model).logits(params, inputs)
         else:
-            logits, _ = forward(params, inputs, model, cache=KVCache.empty(model, *inputs.shape, kv_dtype))
+            logits, _ = Model(model).prefill(params, inputs, KVCache.empty(model, *inputs.shape, kv_dtype))
         nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["targets"][..., None], -1)[..., 0]
         return nll.sum(), nll.size
 

@@ -38,7 +38,7 @@ import uvicorn
 from jaxllm import plan
 from jaxllm.config import RunConfig
 from jaxllm.data.tokenizer import get_tokenizer
-from jaxllm.model.decoder import forward
+from jaxllm.model.decoder import Model
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.serve.api import create_app
 from jaxllm.serve.chat import ChatTemplate
@@ -145,7 +145,7 @@ def http_rates(engine: Engine, prompts: np.ndarray, new: int, rounds: int) -> di
 
 def recompute_rates(cfg, params, prompts: np.ndarray, repeats: int) -> dict[str, float]:
     """Tokens/s when every token is a forward pass over the whole context."""
-    step = jax.jit(lambda p, t: jnp.argmax(forward(p, t, cfg.model)[:, -1], -1))
+    step = jax.jit(lambda p, t: jnp.argmax(Model(cfg.model).logits(p, t)[:, -1], -1))
     out = {}
     for slots in (1, 8):
         tokens = jnp.asarray(prompts[:slots])

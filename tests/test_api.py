@@ -23,9 +23,9 @@ from serving import metric_values, wait_for
 from jaxllm.checkpoint import load_params, stored_config
 from jaxllm.data.tokenizer import load_saved_tokenizer
 from jaxllm.model.cache import KVCache
-from jaxllm.model.decoder import forward
+from jaxllm.model.decoder import Model
 
-KEY, RATE_KEY = "key-main", "key-rate"
+KEY, RATE_KEY, FLOOD_KEY = "key-main", "key-rate", "key-flood"
 BURST, SLOTS, QUEUE, MAX_LEN, MAX_PROMPT = 400, 8, 8, 256, 128
 PPL_ALARM = 1000  # the training corpus reads at a perplexity of ~100-200 here, random tokens at ~2000
 TEMPLATE = (
@@ -99,7 +99,7 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("api")
     workdir = root / "run"
     run(train_command(workdir, "--config.train.steps=40", "--config.data.eval_every=40"))
-    (root / "keys").write_text(f"# keys\n{KEY}\n{RATE_KEY}\n")
+    (root / "keys").write_text(f"# keys\n{KEY}\n{RATE_KEY}\n{FLOOD_KEY}\n")
     (root / "deny").write_text("# refused\nforbidden\\s+word\n")
     (root / "chat.jinja").write_text(TEMPLATE)
     flags = [
@@ -123,7 +123,7 @@ def reference(served):
     """Each position's log-probs by a full forward pass of the checkpoint's params, here."""
     cfg = stored_config(served["workdir"])
     params = checkpoint_params(served["workdir"], cfg.train.steps)
-    step = jax.jit(lambda tokens: jax.nn.log_softmax(forward(params, tokens[None], cfg.model)[0]))
+    step = jax.jit(lambda tokens: jax.nn.log_softmax(Model(cfg.model).logits(params, tokens[None])[0]))
 
     def logprobs(ids):
         padded = np.zeros(64, np.int32)  # one compile; causal, so the padding changes nothing before it
@@ -382,8 +382,10 @@ GUARDS = [
 ]  # fmt: skip
 
 
-def _send(served, guard):
+def _send(served, guard, main_key=KEY):
+    """The guard's request; with `main_key` in place of the main key (a bucket of its own)."""
     name, method, path, body, key, *_ = guard
+    key = main_key if key == KEY else key
     if isinstance(body, dict) and body.get("prompt") == "TOKENS:forbidden word":  # the same text as token ids
         body = {**body, "prompt": served["tokenizer"].encode("forbidden word")}
     return served["client"].request(method, path, body, key=key)
@@ -545,7 +547,8 @@ def test_full_queue_answers_503_and_clients_that_leave_free_their_slots(served):
     their slots and queue places are freed within a step or so."""
     client = served["client"]
     streams = [_send_unread(served, stream=i % 2 == 0) for i in range(SLOTS + QUEUE)]
-    wait_for(lambda: client.metrics()["jaxllm_queue_depth"] == QUEUE)
+    full = {"jaxllm_active_slots": SLOTS, "jaxllm_queue_depth": QUEUE}  # every request in, however they came
+    wait_for(lambda: {k: client.metrics()[k] for k in full} == full)
     busy = client.metrics()
     assert busy["jaxllm_active_slots"] == SLOTS and 0 < busy["jaxllm_kv_cache_usage"] <= 1
     status, body, headers = client.complete({"prompt": "x", "max_tokens": 2})
@@ -571,8 +574,8 @@ def test_malformed_flood_leaves_the_server_as_it_was(served):
     before = greedy(served["sdk"], PROMPT, 16).choices[0].text
     errors = _server_errors(client)
     flood = [g for g in GUARDS if g[0] != "too large"] * 8 + [g for g in GUARDS if g[0] == "too large"] * 2
-    for guard in flood:
-        status = _send(served, guard)[0]
+    for guard in flood:  # with a key of its own: the flood is more than the main key's burst
+        status = _send(served, guard, FLOOD_KEY)[0]
         assert status == guard[5], guard[0]
     assert len(flood) >= 200
     assert _server_errors(client) == errors
@@ -618,7 +621,7 @@ def test_int8_weights_and_kv_cache_answer_through_http(served, tmp_path):
 
     @jax.jit
     def recompute(padded):  # one compile; causal, and each cache entry is quantized alone
-        logits, _ = forward(params, padded[None], int8, cache=KVCache.empty(int8, 1, padded.shape[0], "int8"))
+        logits, _ = Model(int8).prefill(params, padded[None], KVCache.empty(int8, 1, padded.shape[0], "int8"))
         return jax.nn.log_softmax(logits[0])
 
     def logprobs(ids):

@@ -12,7 +12,7 @@ from conftest import small_config
 
 from jaxllm.config import ConfigError, validate
 from jaxllm.model import layers
-from jaxllm.model.decoder import forward
+from jaxllm.model.decoder import Model
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.train.step import init_params
 
@@ -88,7 +88,7 @@ def test_the_model_calls_the_configured_implementation():
     def trace(attention):
         cfg = small_config(attention=attention, dtype="bfloat16", num_kv_heads=8)
         params = init_params(cfg)
-        return str(jax.make_jaxpr(lambda p: forward(p, tokens, cfg.model))(params))
+        return str(jax.make_jaxpr(lambda p: Model(cfg.model).logits(p, tokens))(params))
 
     assert "pallas_call" in trace("pallas")
     assert "pallas_call" not in trace("xla") and "dot_product_attention" not in trace("xla")

@@ -17,7 +17,7 @@ from jaxllm.data.dataset import prepare_data
 from jaxllm.data.loader import TokenWindows, pack, train_batches
 from jaxllm.data.prepare import prepare
 from jaxllm.data.tokenizer import TokenizerError, get_tokenizer, load_saved_tokenizer, save_tokenizer
-from jaxllm.model import forward
+from jaxllm.model import Model
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.train.step import init_params
 
@@ -216,7 +216,7 @@ def test_packed_batches_never_attend_across_documents(prepared, bpe):
     tokens, segments, positions = (example[k][None] for k in ("inputs", "segment_ids", "positions"))
     params = init_params(cfg)
     with jax.set_mesh(make_mesh(cfg.parallel, jax.devices()[:1])):
-        run = jax.jit(lambda p, t, s, q: forward(p, t, cfg.model, s, q))
+        run = jax.jit(lambda p, t, s, q: Model(cfg.model).logits(p, t, s, q))
         packed = run(params, tokens, segments, positions)
         for seg in set(segments[0]):
             where = np.flatnonzero(segments[0] == seg)

@@ -19,7 +19,7 @@ import pytest
 from conftest import checkpoint_params
 from serving import http_server
 
-from jaxllm.model.decoder import forward
+from jaxllm.model.decoder import Model
 from jaxllm.plan import hlo
 from jaxllm.serve.generation import Request, RequestError
 from jaxllm.serve.load import load_engine
@@ -87,7 +87,9 @@ def test_engine_matches_full_recompute_and_is_independent_of_neighbours(trained,
     for r, choice in together.items():
         seq = requests[r].prompt + choice.tokens
         buffer[r, : len(seq)] = seq
-    want = np.asarray(jax.nn.log_softmax(jax.jit(lambda p, t: forward(p, t, model))(params, buffer)[..., :300], -1))
+    want = np.asarray(
+        jax.nn.log_softmax(jax.jit(lambda p, t: Model(model).logits(p, t))(params, buffer)[..., :300], -1)
+    )
     for r, choice in together.items():
         assert len(choice.tokens) == NEW and choice.finish_reason == "length"
         start = len(requests[r].prompt) - 1
@@ -234,7 +236,7 @@ def test_requests_beyond_the_limits_are_refused_with_the_limit(engines):
 def test_prefill_without_logprobs_runs_the_head_once_with_the_same_result(trained):
     workdir, model, _ = trained
     params, tokens, length = checkpoint_params(workdir, 2), jnp.arange(16, dtype=jnp.int32) + 7, jnp.int32(11)
-    step = partial(prefill, model=model, vocab_size=300)
+    step = partial(prefill, model=Model(model), vocab_size=300)
     runs = {nll: jax.jit(partial(step, logprobs=nll)).lower(params, tokens, length).compile() for nll in (0, 1)}
     flops = {nll: run.cost_analysis()["flops"] for nll, run in runs.items()}
     assert flops[1] - flops[0] >= 15 * 2 * model.hidden * 384  # the head on 15 more positions

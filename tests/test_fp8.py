@@ -23,7 +23,7 @@ from jax._src.ad_checkpoint import saved_residuals
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import REMAT_POLICIES
-from jaxllm.model import Decoder, forward, layers, params_of
+from jaxllm.model import Decoder, Model, layers, params_of
 from jaxllm.model.decoder import _remat_wrappers
 from jaxllm.model.fp8 import E4M3, E5M2, fp8_projections, quantize
 from jaxllm.parallel.mesh import make_mesh
@@ -157,7 +157,7 @@ def test_the_seven_dense_projections_and_nothing_else_run_in_fp8():
     cfg = _fp8_config(num_layers=2, qkv_share_every=2)
     params = params_of(Decoder(cfg.model, rngs=nnx.Rngs(0)))
     tokens = jnp.zeros((2, 8), jnp.int32)
-    jaxpr = str(jax.make_jaxpr(jax.grad(lambda p: forward(p, tokens, cfg.model).mean()))(params))
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda p: Model(cfg.model).logits(p, tokens).mean()))(params))
     layers_in_scan_body = 2
     assert jaxpr.count("new_dtype=float8_e4m3fn") == (4 + 7) * layers_in_scan_body
     assert jaxpr.count("new_dtype=float8_e5m2") == 7 * layers_in_scan_body

@@ -25,7 +25,7 @@ from jaxllm.config import ParallelConfig, RunConfig, validate
 from jaxllm.convert import from_hf, to_hf
 from jaxllm.data.tokenizer import get_tokenizer, save_tokenizer, train_bpe
 from jaxllm.hf.config import ConversionError, check_llama, fine_tuning_config
-from jaxllm.model.decoder import Decoder, forward
+from jaxllm.model.decoder import Decoder, Model
 from jaxllm.model.generate import generate
 from jaxllm.model.params import params_of
 from jaxllm.parallel.mesh import make_mesh
@@ -112,7 +112,7 @@ def hand_built(directory: pathlib.Path, **overrides) -> tuple[dict, dict]:
 def our_logits(path, tokens, mesh=None) -> np.ndarray:
     cfg, params, _ = load_params(path, mesh)
     cfg = cfg.updated(model=dict(dtype="float32"))
-    return np.asarray(forward(params, tokens, cfg.model))[..., : cfg.model.vocab_size]
+    return np.asarray(Model(cfg.model).logits(params, tokens))[..., : cfg.model.vocab_size]
 
 
 TOKENS = np.random.default_rng(1).integers(0, BASE["vocab"], (2, 24))
@@ -488,7 +488,7 @@ def test_transformers_llama_imports_with_equal_logits_and_greedy_tokens(tmp_path
         theirs = model.generate(torch.tensor(prompt[None]), max_new_tokens=10, min_new_tokens=10, do_sample=False)
     cfg, params, _ = load_params(tmp_path / "hf")
     cfg = cfg.updated(model=dict(dtype="float32"))
-    assert generate(params, cfg.model, list(prompt), 16) == theirs[0].tolist()
+    assert generate(params, Model(cfg.model), list(prompt), 16) == theirs[0].tolist()
 
 
 @needs_hf

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from conftest import small_config
 from flax import nnx
 
-from jaxllm.model import Decoder
+from jaxllm.model import Model
 from jaxllm.model.layers import make_context
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.rules import activation_rules, constrain, rules_for
@@ -35,7 +35,7 @@ def _compiled_group(cfg, grad: bool, loss=jnp.sum) -> str:
         lambda s: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*s.spec[1:])), groups_sharding
     )
     params = init_params(cfg)
-    graph = nnx.graphdef(Decoder.from_params(cfg.model, params).groups)
+    graph = nnx.graphdef(Model(cfg.model).bind(params).groups)
     group = jax.tree.map(lambda a: a[0], params["groups"])
     tokens = jnp.zeros((8, cfg.train.seq_len), jnp.int32)
     x = jnp.ones((8, cfg.train.seq_len, cfg.model.hidden))

@@ -20,7 +20,7 @@ from jaxllm.data.corpus import read_documents, resolve_inputs
 from jaxllm.data.tokenizer import get_tokenizer, save_tokenizer, train_bpe
 from jaxllm.export import export
 from jaxllm.model.cache import Int8, KVCache
-from jaxllm.model.decoder import forward
+from jaxllm.model.decoder import Model
 from jaxllm.model.int8 import quantize_weight, symmetric_int8
 from jaxllm.model.layers import attend
 from jaxllm.parallel.mesh import make_mesh
@@ -67,10 +67,10 @@ def _logprobs(params, model, tokens, kv_dtype=None):
     """Every position's log-probs, teacher-forced; with `kv_dtype`, through a KV cache one token at
     a time after a 16-token prefill, as decoding reads it."""
     if kv_dtype is None:
-        return jax.nn.log_softmax(forward(params, tokens, model)[..., :VOCAB])
+        return jax.nn.log_softmax(Model(model).logits(params, tokens)[..., :VOCAB])
     cache = KVCache.empty(model, tokens.shape[0], tokens.shape[1], kv_dtype)
-    logits, cache = forward(params, tokens[:, :16], model, cache=cache)
-    step = jax.jit(lambda params, token, at, cache: forward(params, token, model, positions=at, cache=cache))
+    logits, cache = Model(model).prefill(params, tokens[:, :16], cache)
+    step = jax.jit(lambda params, token, at, cache: Model(model).decode_step(params, token, at, cache))
     out = [logits]
     for i in range(16, tokens.shape[1]):
         logits, cache = step(params, tokens[:, i : i + 1], jnp.full((tokens.shape[0], 1), i), cache)

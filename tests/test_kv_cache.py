@@ -9,9 +9,8 @@ import pytest
 from conftest import small_config
 from jax.sharding import NamedSharding
 
-from jaxllm.model import param_specs
+from jaxllm.model import Model
 from jaxllm.model.cache import AXES, KVCache
-from jaxllm.model.decoder import forward
 from jaxllm.model.generate import generate
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.rules import logical_spec, tree_shardings
@@ -26,7 +25,7 @@ def _setup(tensor: int):
     cfg = small_config(num_kv_heads=4)
     cfg = cfg.updated(parallel=dict(data=8 // tensor, tensor=tensor))
     mesh = make_mesh(cfg.parallel)
-    params = jax.device_put(init_params(cfg), tree_shardings(param_specs(cfg.model), mesh))
+    params = jax.device_put(init_params(cfg), tree_shardings(Model(cfg.model).specs, mesh))
     return cfg.model, mesh, params
 
 
@@ -44,15 +43,15 @@ def test_cached_decoding_equals_full_recompute(tensor):
     tokens = [list(rng.integers(0, model.vocab_size, n)) for n in PROMPTS]
     with jax.set_mesh(mesh):
         # The full pass runs over a fixed-size buffer (causal: later entries cannot matter).
-        full = jax.jit(lambda p, t, ends: forward(p, t, model)[jnp.arange(ROWS), ends])
-        prefill = jax.jit(lambda p, t: forward(p, t, model, cache=KVCache.empty(model, 1, MAX_LEN)))
+        full = jax.jit(lambda p, t, ends: Model(model).logits(p, t)[jnp.arange(ROWS), ends])
+        prefill = jax.jit(lambda p, t: Model(model).prefill(p, t, KVCache.empty(model, 1, MAX_LEN)))
         # Prompts padded to one length: what the padding writes past a prompt is never attended
         # to, and each decode step overwrites its own position before it attends.
         rows = [prefill(params, jnp.asarray([t + [0] * (PADDED - len(t))])) for t in tokens]
         cache = KVCache(*(jnp.concatenate(parts, axis=2) for parts in zip(*(c for _, c in rows), strict=True)))
         cache = jax.device_put(cache, _cache_sharding(mesh))
         last = jnp.stack([logits[0, len(t) - 1] for (logits, _), t in zip(rows, tokens, strict=True)])
-        decode = jax.jit(lambda p, t, pos, c: forward(p, t, model, positions=pos, cache=c), donate_argnums=3)
+        decode = jax.jit(lambda p, t, pos, c: Model(model).decode_step(p, t, pos, c), donate_argnums=3)
         for step in range(STEPS):
             buffer = np.zeros((ROWS, MAX_LEN), np.int32)
             for r, seq in enumerate(tokens):
@@ -71,8 +70,8 @@ def test_cached_decoding_equals_full_recompute(tensor):
 def test_the_sample_decodes_with_the_cache_as_greedy_recompute_would():
     cfg = small_config()
     params = init_params(cfg)
-    sampled = generate(params, cfg.model, [5, 9, 2], 20)
-    full = jax.jit(lambda p, t: forward(p, t, cfg.model)[0, :, : cfg.model.vocab_size])
+    sampled = generate(params, Model(cfg.model), [5, 9, 2], 20)
+    full = jax.jit(lambda p, t: Model(cfg.model).logits(p, t)[0, :, : cfg.model.vocab_size])
     seq = [5, 9, 2]
     while len(seq) < 20:
         buffer = jnp.asarray([seq + [0] * (20 - len(seq))])  # causal: the padding cannot matter

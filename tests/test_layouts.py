@@ -10,6 +10,7 @@ import pytest
 from conftest import small_config
 from jax.sharding import PartitionSpec as P
 
+from jaxllm.model import Model
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.rules import activation_rules, rules_for
 from jaxllm.train.run import batch_sharding, build_run
@@ -43,7 +44,9 @@ def run_layout(layout: dict, steps: int = 3):
         init = jax.device_get(state["params"])
         batch = jax.device_put(_batch(cfg), batch_sharding(mesh))
         with activation_rules(rules_for(cfg.parallel)):  # as the train step does
-            loss, grads = jax.jit(jax.value_and_grad(lambda p, b: mean_loss(p, b, cfg.model)))(state["params"], batch)
+            loss, grads = jax.jit(jax.value_and_grad(lambda p, b: mean_loss(p, b, Model(cfg.model))))(
+                state["params"], batch
+            )
         step = compile_train_step(build_run(cfg, mesh))
         losses = []
         for _ in range(steps):  # the same batch each step, so the loss must fall

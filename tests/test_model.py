@@ -13,7 +13,7 @@ from reference_model import reference_logits, reference_loss
 
 from jaxllm import plan
 from jaxllm.config import load_config
-from jaxllm.model import Decoder, forward, param_specs, params_of
+from jaxllm.model import Decoder, Model, params_of
 from jaxllm.model.params import count
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.train.step import init_params, mean_loss
@@ -51,7 +51,7 @@ def test_module_equals_functional_forward_equals_reference(options):
     tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, cfg.model.vocab_size)
     eager = module(tokens)
     with jax.set_mesh(one_device_mesh(cfg)):
-        got = jax.jit(lambda p, t: forward(p, t, cfg.model))(params, tokens)
+        got = jax.jit(lambda p, t: Model(cfg.model).logits(p, t))(params, tokens)
     np.testing.assert_allclose(eager, got, rtol=1e-5, atol=1e-5)
     want = reference_logits(params, tokens, cfg.model)
     np.testing.assert_allclose(got[..., : cfg.model.vocab_size], want, rtol=1e-4, atol=1e-4)
@@ -65,7 +65,7 @@ def test_segment_ids_match_reference_and_isolate_documents():
     segment_ids = jnp.array([[1] * 6 + [2] * 10, [1] * 16])
     positions = jnp.array([list(range(6)) + list(range(10)), list(range(16))])
     with jax.set_mesh(one_device_mesh(cfg)):
-        run = jax.jit(lambda p, t, s, q: forward(p, t, cfg.model, s, q))
+        run = jax.jit(lambda p, t, s, q: Model(cfg.model).logits(p, t, s, q))
         packed = run(params, tokens, segment_ids, positions)[..., : cfg.model.vocab_size]
         alone = [run(params, tokens[:1, :6], None, None), run(params, tokens[:1, 6:], None, None)]
     want = reference_logits(params, tokens, cfg.model, segment_ids, positions)
@@ -84,7 +84,7 @@ def test_loss_and_gradients_match_reference(options):
         "loss_mask": jnp.ones(tokens.shape).at[:, -3:].set(0),
     }
     with jax.set_mesh(one_device_mesh(cfg)):
-        loss, grads = jax.jit(jax.value_and_grad(lambda p: mean_loss(p, batch, cfg.model)))(params)
+        loss, grads = jax.jit(jax.value_and_grad(lambda p: mean_loss(p, batch, Model(cfg.model))))(params)
     want_loss, want_grads = jax.value_and_grad(reference_loss)(params, batch, cfg.model)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     chex.assert_trees_all_close(grads, want_grads, rtol=1e-4, atol=1e-7)
@@ -94,7 +94,7 @@ def test_loss_and_gradients_match_reference(options):
 def test_parameter_tree_count_equals_planner(options):
     cfg = small_config(**options)
     real = sum(math.prod(x.shape) for x in jax.tree.leaves(jax.eval_shape(lambda: init_params(cfg))))
-    assert real == plan.param_counts(cfg.model)["total"] == count(param_specs(cfg.model))
+    assert real == plan.param_counts(cfg.model)["total"] == count(Model(cfg.model).specs)
 
 
 def test_120b_parameter_count_without_allocating():
@@ -114,7 +114,8 @@ def test_bf16_compute_sums_a_frequent_tokens_embedding_gradient_in_fp32():
     batch = {"inputs": tokens, "targets": jnp.full_like(tokens, 7)}
     for dtype in ("float32", "bfloat16"):
         cfg = small_config(dtype=dtype)
-        grad = jax.jit(jax.grad(lambda p, m=cfg.model: mean_loss(p, batch, m)))(init_params(cfg))
+        model = Model(cfg.model)
+        grad = jax.jit(jax.grad(lambda p, m=model: mean_loss(p, batch, m)))(init_params(cfg))
         grads[dtype] = np.asarray(grad["embed"][5])
     error = np.linalg.norm(grads["bfloat16"] - grads["float32"]) / np.linalg.norm(grads["float32"])
     assert error < 0.02, error

@@ -18,7 +18,7 @@ from flax import nnx
 from jaxllm.checkpoint import load_params, saved_config
 from jaxllm.config import load_config
 from jaxllm.export import export
-from jaxllm.model import Decoder, forward, params_of
+from jaxllm.model import Decoder, Model, params_of
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.rules import AXIS_RULES
 from jaxllm.train.run import batch_sharding, build_run
@@ -77,14 +77,14 @@ def test_module_init_ignores_rng_counters_and_equals_the_sharded_trainer_init():
     chex.assert_trees_all_equal(params_of(module), sharded)
 
 
-def test_params_are_a_plain_dict_and_round_trip_through_from_params():
+def test_params_are_a_plain_dict_and_round_trip_through_the_model():
     cfg = small_config()
     module = Decoder(cfg.model, rngs=nnx.Rngs(3))
     params = params_of(module)
     assert digest(params) == GOLDEN["default"]  # today's keys (the checkpoint schema) and values
     assert all(type(node) is dict for node in _nodes(params)), "plain dicts only, no nnx.State"
     assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(params))
-    again = Decoder.from_params(cfg.model, params)
+    again = Model(cfg.model).bind(params)
     chex.assert_trees_all_equal(params_of(again), params)
     tokens = jnp.arange(12).reshape(2, 6)
     np.testing.assert_array_equal(again(tokens), module(tokens))
@@ -97,13 +97,13 @@ def _nodes(tree):
             yield from _nodes(value)
 
 
-def test_from_params_names_what_does_not_fit():
+def test_binding_params_names_what_does_not_fit():
     cfg = small_config()
     params = params_of(nnx.eval_shape(lambda: Decoder(cfg.model, rngs=nnx.Rngs(0))))
     with pytest.raises(ValueError, match=r"unexpected lm_head.*Pass the config they were saved with"):
-        Decoder.from_params(small_config(tie_embeddings=True).model, params)
+        Model(small_config(tie_embeddings=True).model).bind(params)
     with pytest.raises(ValueError, match=r"embed has shape \(384, 64\), the model needs \(384, 128\)"):
-        Decoder.from_params(small_config(hidden=128).model, params)
+        Model(small_config(hidden=128).model).logits(params, jnp.zeros((1, 4), jnp.int32))
 
 
 def test_flax_partition_specs_under_our_rules_are_the_trainers():
@@ -157,11 +157,11 @@ def test_checkpoint_written_before_the_modules_restores_and_continues(tmp_path):
     # The same checkpoint through an export into a module, as serving will load it.
     export(workdir, tmp_path / "export", tokenizer="gpt2")  # the fixture predates saved tokenizers
     exported_cfg, params, _ = load_params(tmp_path / "export")
-    module = Decoder.from_params(exported_cfg.model, params)
+    module = Model(exported_cfg.model).bind(params)
     chex.assert_trees_all_equal(params_of(module), restored_params)
     tokens = jnp.arange(16).reshape(2, 8)
     with jax.set_mesh(make_mesh(cfg.parallel, jax.devices()[:4])):
-        functional = jax.jit(lambda p: forward(p, tokens, cfg.model))(restored_params)
+        functional = jax.jit(lambda p: Model(cfg.model).logits(p, tokens))(restored_params)
     np.testing.assert_allclose(module(tokens), functional, rtol=1e-5, atol=1e-5)
 
 

@@ -13,6 +13,7 @@ from conftest import small_config
 
 from jaxllm import plan
 from jaxllm.config import ConfigError
+from jaxllm.model import Model
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.train.loop import offload_notes
 from jaxllm.train.run import HOST, batch_sharding, build_run, check_host_memory
@@ -73,7 +74,7 @@ def test_offload_remat_sends_the_named_activations_to_host():
     params = init_params(small_config())
     grads, placements = {}, {}
     for remat in ("selective", "offload"):
-        model = small_config(remat=remat).model
+        model = Model(small_config(remat=remat).model)
         grad = jax.jit(lambda p, m=model: jax.grad(mean_loss)(p, batch, m))
         grads[remat] = grad(params)
         gpu = grad.trace(params).lower(lowering_platforms=("cuda",)).as_text()

@@ -12,7 +12,7 @@ import pytest
 from conftest import metrics, run, small_config, train_command
 from reference_model import reference_loss
 
-from jaxllm.model import param_specs
+from jaxllm.model import Model
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.rules import activation_rules, rules_for
 from jaxllm.parallel.schedule import canonical_view
@@ -60,7 +60,7 @@ def test_pipeline_matches_sequential_loop(case):
     batch = _batch(cfg)
     with jax.set_mesh(mesh), activation_rules(rules_for(cfg.parallel)):  # as the train step does
         state = init_state(build_run(cfg, mesh))
-        loss_fn = jax.jit(jax.value_and_grad(lambda p, b: mean_loss(p, b, cfg.model, cfg.parallel.schedule)))
+        loss_fn = jax.jit(jax.value_and_grad(lambda p, b: mean_loss(p, b, Model(cfg.model, cfg.parallel.schedule))))
         loss, grads = loss_fn(state["params"], jax.device_put(batch, batch_sharding(mesh)))
     params, grads = jax.device_get((state["params"], grads))
     params["groups"], grads["groups"] = canonical_view(params["groups"]), canonical_view(grads["groups"])
@@ -87,7 +87,7 @@ def _stage_weight_shapes(cfg, *, scattered: bool = False) -> Counter:
     """Per-device shape of each stage weight as the loop reads it (one stage, whole on `fsdp`), or
     with `scattered` its gradient's shard after the reduce-scatter. Shapes are compared as sorted
     dims other than 1: XLA may move or drop the stage dim, and on CPU it runs bf16 collectives in fp32."""
-    specs = param_specs(cfg.model, cfg.parallel.schedule)["groups"]
+    specs = Model(cfg.model, cfg.parallel.schedule).specs["groups"]
     split = {"stages": cfg.parallel.stage, "embed": cfg.parallel.fsdp if scattered else 1}
     return Counter(
         _dims(d // split.get(axis, 1) for d, axis in zip(spec.shape, spec.axes, strict=True))
@@ -184,7 +184,7 @@ def _bf16_grads(layout):
         run_ = build_run(cfg, mesh)
         params = init_state(run_)["params"]
         batch = jax.device_put(_batch(cfg), run_.batch_sharding)
-        grad_fn = jax.grad(lambda p, b: mean_loss(p, b, cfg.model, run_.schedule))
+        grad_fn = jax.grad(lambda p, b: mean_loss(p, b, Model(cfg.model, run_.schedule)))
         grads, jaxpr = jax.jit(grad_fn)(params, batch), jax.make_jaxpr(grad_fn)(params, batch)
     grads = jax.device_get(grads)
     if run_.schedule is not None:
@@ -201,7 +201,7 @@ def test_bf16_pipeline_gradients_match_unpipelined_and_add_up_in_fp32():
     errors = jax.tree.map(lambda g, w: float(np.linalg.norm(g - w) / np.linalg.norm(w)), got, want)
     assert max(jax.tree.leaves(errors)) <= 1e-2, errors
     carries = list(_scan_carries(jaxpr.jaxpr))
-    specs = param_specs(cfg.model, cfg.parallel.schedule)["groups"]
+    specs = Model(cfg.model, cfg.parallel.schedule).specs["groups"]
     for spec in jax.tree.leaves(specs, is_leaf=lambda x: hasattr(x, "axes")):
         r, _, *rest = spec.shape  # the loop's per-stage weight: [repeats, groups per stage, ...]
         shape = (r, *rest)

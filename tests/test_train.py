@@ -17,6 +17,7 @@ from faults import poisoned
 from jaxllm.config import REMAT_POLICIES
 from jaxllm.data.tokenizer import load_saved_tokenizer
 from jaxllm.export import export
+from jaxllm.model import Model
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.train.faults import NonFiniteSteps
 from jaxllm.train.run import batch_sharding, build_run
@@ -58,7 +59,7 @@ def test_remat_policies_give_the_same_gradients():
         params = init_state(build_run(cfg, mesh))["params"]
         batch = jax.device_put(_batch(cfg), batch_sharding(mesh))
         for policy in REMAT_POLICIES:
-            model = cfg.model.replace(remat=policy)
+            model = Model(cfg.model.replace(remat=policy))
             results[policy] = jax.jit(jax.value_and_grad(lambda p, b, m=model: mean_loss(p, b, m)))(params, batch)
     for policy, (loss, grads) in results.items():
         np.testing.assert_allclose(loss, results["none"][0], rtol=1e-6, err_msg=policy)
@@ -76,7 +77,7 @@ def test_remat_policies_keep_less_in_order():
     params, batch = init_params(cfg), _batch(cfg)
     temporaries = {}
     for policy in ("none", "dots", "selective", "full", "group"):
-        model = cfg.model.replace(remat=policy)
+        model = Model(cfg.model.replace(remat=policy))
         grad = jax.jit(jax.grad(lambda p, m=model: mean_loss(p, batch, m))).lower(params).compile()
         temporaries[policy] = grad.memory_analysis().temp_size_in_bytes
     sizes = list(temporaries.values())
@@ -261,7 +262,7 @@ def test_three_training_steps_equal_an_independently_written_optimizer():
         for batch in batches:
             state, _ = step(state, batch)
         got = jax.device_get(state["params"])
-        grad_fn = jax.jit(jax.grad(lambda p, b: mean_loss(p, b, cfg.model)))
+        grad_fn = jax.jit(jax.grad(lambda p, b: mean_loss(p, b, Model(cfg.model))))
         optimizer = _reference_optimizer(cfg.train)
         opt_state = optimizer.init(params)
         for batch in batches:

@@ -20,7 +20,7 @@ from jaxllm.checkpoint.manager import UNREADABLE, CheckpointError, saved_config
 from jaxllm.config import ModelConfig, ParallelConfig, RunConfig
 from jaxllm.hf.config import is_hf_dir
 from jaxllm.hf.directory import read_hf_params, stored_hf_config
-from jaxllm.model.decoder import param_specs
+from jaxllm.model.decoder import Model
 from jaxllm.model.int8 import int8_model, quantize_weight
 from jaxllm.model.params import at_path, is_spec, storage_dtype
 from jaxllm.parallel.mesh import make_mesh
@@ -37,24 +37,21 @@ def abstract_params(specs: dict, mesh: Mesh, dtype: Any) -> dict:
     return jax.tree.map(target, specs, shardings, is_leaf=is_spec)
 
 
-def _is_int8(node: Any) -> bool:
-    return isinstance(node, dict) and set(node) == {"q", "scale"} and all(map(is_spec, node.values()))
-
-
 def _quantized(params: dict, model: ModelConfig, mesh: Mesh, dtype: Any) -> dict:
-    """`params` with each dense projection in int8 (see `model/int8.py`; one already in int8 is kept)
-    and the rest cast to `dtype`, placed on `mesh` by the rules table."""
-    specs = param_specs(int8_model(model))
-    target = abstract_params(specs, mesh, dtype)
+    """`params` with each quantizable parameter (a dense projection's weight) in int8 (see
+    `model/int8.py`; one already in int8 is kept) and the rest cast to `dtype`, placed on `mesh` by
+    the rules table."""
+    full, int8 = Model(model.replace(quantize=None)).specs, Model(int8_model(model)).specs
+    target = abstract_params(int8, mesh, dtype)
 
-    def convert(spec, want, w):
-        if not _is_int8(spec):
+    def convert(spec, quantized, want, w):
+        if not spec.quantizable:
             return w.astype(want.dtype)
-        contracted = [i for i, axis in enumerate(spec["q"].axes) if axis not in spec["scale"].axes]
+        contracted = [i for i, axis in enumerate(quantized["q"].axes) if axis not in quantized["scale"].axes]
         return w if isinstance(w, dict) else quantize_weight(w, contracted)
 
     shardings = jax.tree.map(lambda t: t.sharding, target)
-    quantize = jax.jit(lambda p: jax.tree.map(convert, specs, target, p, is_leaf=_is_int8), out_shardings=shardings)
+    quantize = jax.jit(lambda p: jax.tree.map(convert, full, int8, target, p, is_leaf=is_spec), out_shardings=shardings)
     return quantize(params)
 
 
@@ -127,7 +124,7 @@ def _read_params(
     path: pathlib.Path, mesh: Mesh, dtype: Any, step: int | None, only: tuple[str, ...] | None = None
 ) -> tuple[RunConfig, dict, int]:
     def target_of(cfg: RunConfig) -> dict:
-        target = abstract_params(param_specs(cfg.model), mesh, dtype or cfg.model.param_dtype)
+        target = abstract_params(Model(cfg.model).specs, mesh, dtype or cfg.model.param_dtype)
         if only is None:
             return target
         part = at_path(target, only)

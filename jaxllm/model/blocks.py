@@ -41,9 +41,10 @@ class Norm(nnx.Module):
     def __init__(self, model: ModelConfig, stack: Stack = UNSTACKED):
         (lead, lead_axes), h = stack, model.hidden
         self.kind, self.eps = model.norm, model.norm_eps
-        self.scale = declare((*lead, h), (*lead_axes, "embed"), model.param_dtype, "ones")
+        policy = dict(decay=False, keep_fp32=True)  # a norm computes in fp32, and decay would pull it to 0
+        self.scale = declare((*lead, h), (*lead_axes, "embed"), model.param_dtype, "ones", **policy)
         if model.norm == "layernorm":
-            self.bias = declare((*lead, h), (*lead_axes, "embed"), model.param_dtype, "zeros")
+            self.bias = declare((*lead, h), (*lead_axes, "embed"), model.param_dtype, "zeros", **policy)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return layers.norm(x, params_of(self), self.kind, self.eps)

@@ -132,59 +132,52 @@ class Decoder(nnx.Module):
             self.lm_head = declare((h, vocab), ("embed", "vocab"), dt, std=std)
         nnx.update(self, init_params(specs_of(self), rngs.params.key.get_value(), jnp.dtype(dt)))
 
-    @classmethod
-    def from_params(cls, model: ModelConfig, params: Params, schedule: Schedule | None = None) -> Decoder:
-        """The module holding `params` (a plain dict, e.g. from a checkpoint or an export)."""
-        decoder = abstract_decoder(model, schedule)
-        _check_matches(specs_of(decoder), params)
-        nnx.update(decoder, params)
-        return decoder
-
     def __call__(
         self,
         tokens: jax.Array,
         segment_ids: jax.Array | None = None,
         positions: jax.Array | None = None,
         copies: Params | None = None,
-        cache: KVCache | None = None,
-        logits_at: jax.Array | None = None,
-    ):
+    ) -> jax.Array:
         """fp32 logits [batch, seq, padded_vocab]; padded vocab entries are masked to NEG_INF. A
-        pipelined decoder computes with `copies` (see `stage_copies`), or gathers its own. With
-        `logits_at` [batch], only the logits at that index of each row: [batch, 1, padded_vocab].
+        pipelined decoder computes with `copies` (see `Model.stage_copies`), or gathers its own."""
+        x, ctx = self._embed(tokens, segment_ids, positions)
+        return self._head(self._stack(x, ctx, copies))
 
-        With a `cache` (one row per batch row), the tokens sit at `positions` (consecutive per
-        row; 0, 1, ... by default) after what the cache holds: their keys and values are written
-        into it, and the result is (logits, cache)."""
+    def extend(
+        self, tokens: jax.Array, positions: jax.Array | None, cache: KVCache, logits_at: jax.Array | None = None
+    ) -> tuple[jax.Array, KVCache]:
+        """With a KV cache (one row per batch row): the tokens sit at `positions` (consecutive per
+        row; 0, 1, ... by default) after what the cache holds, their keys and values are written
+        into it; (logits, cache). With `logits_at` [batch], only the logits at that index of each
+        row: [batch, 1, padded_vocab]."""
+        if self.schedule is not None:
+            raise ValueError("a KV cache needs the plain stack: load the params without a pipeline schedule")
+        x, ctx = self._embed(tokens, None, positions)
+        x, cache = scan_layers(nnx.graphdef(self.groups), params_of(self.groups), x, ctx, cache)
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
+        return self._head(x), cache
+
+    def _embed(self, tokens, segment_ids, positions) -> tuple[jax.Array, layers.Context]:
         model = self.model
-        dt = jnp.dtype(model.dtype)
-        ctx = layers.make_context(
-            tokens, segment_ids, positions, model.head_dim, model.rope_theta, model.rope_scaling
-        )
+        ctx = layers.make_context(tokens, segment_ids, positions, model.head_dim, model.rope_theta, model.rope_scaling)
         # Gather the table's FSDP shards first (as for any weight), then look up vocab-sharded rows
         # of the fp32 table: the lookup's gradient adds every occurrence of a token into its row,
         # which in bf16 would stop growing after a few hundred occurrences.
         table = constrain(self.embed.get_value(), "vocab", None)
-        x = constrain(jnp.take(table, tokens, axis=0).astype(dt), *RESIDUAL)
-        if cache is not None:
-            x, cache = self._stack(x, ctx, copies, cache)
-        else:
-            x = self._stack(x, ctx, copies)
-        if logits_at is not None:
-            x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
+        return constrain(jnp.take(table, tokens, axis=0).astype(model.dtype), *RESIDUAL), ctx
+
+    def _head(self, x: jax.Array) -> jax.Array:
+        model, dt = self.model, jnp.dtype(self.model.dtype)
         x = self.final_norm(x)
         head = self.embed.get_value().T if model.tie_embeddings else self.lm_head.get_value()
         logits = jnp.einsum("bte,ev->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
         logits = constrain(logits, "batch", "head_seq", "vocab")
-        logits = jnp.where(jnp.arange(model.padded_vocab) < model.vocab_size, logits, layers.NEG_INF)
-        return logits if cache is None else (logits, cache)
+        return jnp.where(jnp.arange(model.padded_vocab) < model.vocab_size, logits, layers.NEG_INF)
 
-    def _stack(self, x: jax.Array, ctx: layers.Context, copies: Params | None, cache: KVCache | None = None):
+    def _stack(self, x: jax.Array, ctx: layers.Context, copies: Params | None) -> jax.Array:
         graph, groups = nnx.graphdef(self.groups), params_of(self.groups)
-        if cache is not None:
-            if self.schedule is not None:
-                raise ValueError("a KV cache needs the plain stack: load the params without a pipeline schedule")
-            return scan_layers(graph, groups, x, ctx, cache)
         run = partial(scan_groups, graph, self.model.remat)
         if self.schedule is None:
             return run(groups, x, ctx)
@@ -213,40 +206,63 @@ def _leaves(tree) -> list:
     return jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))
 
 
-def abstract_decoder(model: ModelConfig, schedule: Schedule | None = None) -> Decoder:
-    """The decoder with shapes for values, nothing computed; under a mesh, each value also carries
-    its sharding by the rules table."""
-    with nnx.logical_axis_rules(AXIS_RULES):
-        return nnx.eval_shape(lambda: Decoder(model, rngs=nnx.Rngs(0), schedule=schedule))
+class Model:
+    """The decoder as one run or engine uses it, built once: its modules' graph definition (kept)
+    and their parameter specs (a view of the modules' abstract state). Each entry point rebinds
+    the graph to the plain dict of params it is given (`nnx.merge`), so jitted functions see
+    plain dicts, and no module tree is built while they trace.
 
+        model = Model(cfg.model)                    # or Model(cfg.model, cfg.parallel.schedule)
+        params = model.init(seed=0)                 # the trainer's initial weights for train.seed=0
+        logits = model.logits(params, tokens)       # training and evaluation
+        logits, cache = model.prefill(params, prompt, KVCache.empty(cfg.model, 1, 64))
+        logits, cache = model.decode_step(params, token, position, cache)
+    """
 
-def param_specs(model: ModelConfig, schedule: Schedule | None = None) -> dict:
-    """Shapes, logical axes and initialisers of every parameter, read from the modules."""
-    return specs_of(abstract_decoder(model, schedule))
+    def __init__(self, config: ModelConfig, schedule: Schedule | None = None):
+        self.config, self.schedule = config, schedule
+        with nnx.logical_axis_rules(AXIS_RULES):  # each abstract value carries its sharding, under a mesh
+            abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0), schedule=schedule))
+        self.graph, self.specs = nnx.graphdef(abstract), specs_of(abstract)
 
+    def init(self, seed: int) -> Params:
+        """Initial params: a pure function of `seed` and each parameter's path (see `Decoder`)."""
+        return params_of(Decoder(self.config, rngs=nnx.Rngs(seed), schedule=self.schedule))
 
-def stage_copies(params: Params, model: ModelConfig, schedule: Schedule | None) -> Params | None:
-    """What a pipeline's loop computes with: its stage weights in the compute dtype, gathered over
-    `fsdp` (see `gather_stage_weights`); None without a pipeline. A train step builds them once and
-    passes them to each accumulation microstep's `forward`."""
-    if schedule is None:
-        return None
-    return gather_stage_weights(params["groups"], param_specs(model, schedule)["groups"], jnp.dtype(model.dtype))
+    def bind(self, params: Params) -> Decoder:
+        """The modules holding `params` (a plain dict: the train state's, a checkpoint's); refused,
+        naming each parameter, if they do not fit."""
+        _check_matches(self.specs, params)
+        return nnx.merge(self.graph, params)
 
+    def logits(
+        self,
+        params: Params,
+        tokens: jax.Array,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        copies: Params | None = None,
+    ) -> jax.Array:
+        """fp32 logits [batch, seq, padded_vocab] (see `Decoder.__call__`). With a pipeline
+        schedule, params hold the groups in its view, and `copies` may hold their `stage_copies`."""
+        return self.bind(params)(tokens, segment_ids, positions, copies)
 
-def forward(
-    params: Params,
-    tokens: jax.Array,
-    model: ModelConfig,
-    segment_ids: jax.Array | None = None,
-    positions: jax.Array | None = None,
-    schedule: Schedule | None = None,
-    copies: Params | None = None,
-    cache: KVCache | None = None,
-    logits_at: jax.Array | None = None,
-):
-    """The decoder on a plain params dict (the train state's). With a pipeline `schedule`, params
-    hold the groups in its view (see `Decoder`), and `copies` may hold their `stage_copies`. With
-    a `cache`, (logits, cache); `logits_at` limits the logits (see `Decoder.__call__`)."""
-    decoder = Decoder.from_params(model, params, schedule)
-    return decoder(tokens, segment_ids, positions, copies, cache, logits_at)
+    def prefill(
+        self, params: Params, tokens: jax.Array, cache: KVCache, logits_at: jax.Array | None = None
+    ) -> tuple[jax.Array, KVCache]:
+        """A prompt into an empty cache, from position 0: (logits, cache); see `Decoder.extend`."""
+        return self.bind(params).extend(tokens, None, cache, logits_at)
+
+    def decode_step(
+        self, params: Params, tokens: jax.Array, positions: jax.Array, cache: KVCache
+    ) -> tuple[jax.Array, KVCache]:
+        """One token per row, at `positions` [batch, 1], after what the cache holds: (logits, cache)."""
+        return self.bind(params).extend(tokens, positions, cache)
+
+    def stage_copies(self, params: Params) -> Params | None:
+        """What a pipeline's loop computes with: its stage weights in the compute dtype, gathered
+        over `fsdp` (see `gather_stage_weights`); None without a pipeline. A train step builds them
+        once and passes them to each accumulation microstep's `logits`."""
+        if self.schedule is None:
+            return None
+        return gather_stage_weights(params["groups"], self.specs["groups"], jnp.dtype(self.config.dtype))

@@ -33,7 +33,7 @@ def dense_weight(
     lead, lead_axes = stack
     if model.quantize == "int8":
         return Int8Weight((*lead, *shape), (*lead_axes, *axes), range(len(lead), len(lead) + contracted))
-    return declare((*lead, *shape), (*lead_axes, *axes), model.param_dtype, std=std)
+    return declare((*lead, *shape), (*lead_axes, *axes), model.param_dtype, std=std, quantizable=True)
 
 
 def einsum_projections(x: jax.Array, weights: tuple[jax.Array, ...], spec: str) -> tuple[jax.Array, ...]:

@@ -7,15 +7,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxllm.config import ModelConfig
 from jaxllm.model.cache import KVCache
-from jaxllm.model.decoder import forward
+from jaxllm.model.decoder import Model
 from jaxllm.model.sampling import Sampling, sample
 
 
 def generate(
     params: dict,
-    model: ModelConfig,
+    model: Model,
     prompt: list[int],
     length: int,
     sampling: Sampling | None = None,
@@ -27,7 +26,7 @@ def generate(
     if not 0 < len(prompt) < length:
         raise ValueError(f"prompt of {len(prompt)} tokens must be non-empty and shorter than length={length}")
     sampling = Sampling.one() if sampling is None else sampling
-    vocab_size = vocab_size or model.vocab_size
+    vocab_size, config = vocab_size or model.config.vocab_size, model.config
     start = len(prompt)
 
     def draw(logits, index):
@@ -35,12 +34,12 @@ def generate(
 
     @jax.jit
     def run(params, prompt):
-        logits, cache = forward(params, prompt[None], model, cache=KVCache.empty(model, 1, length))
+        logits, cache = model.prefill(params, prompt[None], KVCache.empty(config, 1, length))
 
         def step(i, carry):
             tokens, token, cache = carry
             tokens = tokens.at[i].set(token[0])
-            logits, cache = forward(params, token[:, None], model, positions=jnp.full((1, 1), i), cache=cache)
+            logits, cache = model.decode_step(params, token[:, None], jnp.full((1, 1), i), cache)
             return tokens, draw(logits, i + 1 - start), cache
 
         tokens = jnp.zeros(length, jnp.int32).at[:start].set(prompt)

@@ -1,8 +1,10 @@
 """Parameters as the modules declare them, and the plain dicts that every JAX boundary sees.
 
-A module declares each weight once (`declare`: shape, logical axis names, initialiser); the rest is
-derived: `specs_of` (shapes and axes for the rules table), `params_of` (the plain dict of arrays
-that jit, scan, shard_map and Orbax see) and `init_params`. Initial values are a pure function of
+A module declares each weight once (`declare`: shape, logical axis names, initialiser, and its
+policy: whether weight decay applies, whether it stays fp32 where the compute is bf16, whether int8
+serving quantizes it); the rest is derived: `specs_of` (a view of the modules' state that the
+rules table, optimizer, pipeline and planner read), `params_of` (the plain dict of arrays that jit,
+scan, shard_map and Orbax see) and `init_params`. Initial values are a pure function of
 (seed, parameter path), never of the mesh, RNG counters or construction order, so every layout
 starts from bit-identical weights; init runs under `jit` with sharded outputs, so no device ever
 materialises a whole parameter.
@@ -31,6 +33,9 @@ class ParamSpec:
     init: str = "normal"  # 'normal' | 'ones' | 'zeros'
     std: float = 0.0
     dtype: str | None = None  # a storage dtype of its own (int8 weights, their scales); None: the param dtype
+    decay: bool = True  # AdamW's weight decay applies
+    keep_fp32: bool = False  # computes in fp32 whatever the compute dtype (a norm's own arithmetic)
+    quantizable: bool = False  # a projection's weight: int8 serving stores it in int8
 
 
 def declare(
@@ -40,15 +45,19 @@ def declare(
     init: str = "normal",
     std: float = 0.0,
     own_dtype: bool = False,
+    decay: bool = True,
+    keep_fp32: bool = False,
+    quantizable: bool = False,
 ) -> nnx.Param:
-    """A parameter with its logical axis names and initialiser, holding only its shape until the
-    decoder gives every parameter its value by path. No eager sharding: placement comes from the
-    rules table through `jit(out_shardings)`. With `own_dtype`, it keeps `dtype` whatever dtype
-    the other params are cast to (int8 weights and their scales)."""
+    """A parameter with its logical axis names, initialiser and policy (see `ParamSpec`), holding
+    only its shape until the decoder gives every parameter its value by path. No eager sharding:
+    placement comes from the rules table through `jit(out_shardings)`. With `own_dtype`, it keeps
+    `dtype` whatever dtype the other params are cast to (int8 weights and their scales)."""
     fixed = jnp.dtype(dtype).name if own_dtype else None
     return nnx.Param(
         jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)),
-        out_sharding=axes, init=init, std=std, own_dtype=fixed, eager_sharding=False,
+        out_sharding=axes, init=init, std=std, own_dtype=fixed, decay=decay, keep_fp32=keep_fp32,
+        quantizable=quantizable, eager_sharding=False,
     )  # fmt: skip
 
 
@@ -71,8 +80,9 @@ def params_of(module: nnx.Module) -> Params:
 
 
 def specs_of(module: nnx.Module) -> dict[str, Any]:
-    """The module's parameters as ParamSpecs (shape, logical axes, initialiser)."""
-    return _param_tree(module, lambda p: ParamSpec(tuple(p.shape), tuple(p.out_sharding), p.init, p.std, p.own_dtype))
+    """The module's parameters as ParamSpecs (shape, logical axes, initialiser, policy)."""
+    return _param_tree(module, lambda p: ParamSpec(tuple(p.shape), tuple(p.out_sharding), p.init, p.std, p.own_dtype,
+                                                   p.decay, p.keep_fp32, p.quantizable))  # fmt: skip
 
 
 def value_axes(param: nnx.Param | nnx.Module) -> Any:
@@ -98,11 +108,6 @@ def at_path(tree: dict, path: tuple[str, ...]) -> Any:
 
 def is_spec(x: Any) -> bool:
     return isinstance(x, ParamSpec)
-
-
-def is_norm(path: tuple) -> bool:
-    """Norm scales and biases: no weight decay, and kept in fp32 for the norm's own arithmetic."""
-    return any("norm" in str(getattr(p, "key", "")) for p in path)
 
 
 def path_key(key: jax.Array, path: tuple) -> jax.Array:

@@ -23,7 +23,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import MESH_AXES, Schedule
-from jaxllm.model.params import is_norm
 from jaxllm.parallel.collectives import reduce_scatter_sum, to_varying, varying_axes
 from jaxllm.parallel.rules import GATHERED_RULES, RULES, active_rules, as_tuple, constrain, is_axes, manual_spec
 from jaxllm.parallel.schedule import split_microbatches
@@ -44,14 +43,14 @@ def _stage_major(specs):
 
 
 def gather_stage_weights(groups, specs, dtype) -> dict:
-    """The copies the loop computes with: stage-major, cast to `dtype` (norm scales stay fp32) and
-    gathered over `fsdp`. Built once per step; with gradient accumulation, the step passes them to
-    every microstep's pipeline."""
+    """The copies the loop computes with: stage-major, cast to `dtype` (parameters whose spec keeps
+    them in fp32, norm scales, stay fp32) and gathered over `fsdp`. Built once per step; with
+    gradient accumulation, the step passes them to every microstep's pipeline."""
 
-    def one(path, a, axes):
-        return constrain(a if is_norm(path) else a.astype(dtype), *axes, rules=GATHERED_RULES)
+    def one(a, spec, axes):
+        return constrain(a if spec.keep_fp32 else a.astype(dtype), *axes, rules=GATHERED_RULES)
 
-    copies = jax.tree_util.tree_map_with_path(one, _stage_major_arrays(groups), _stage_major(specs))
+    copies = jax.tree.map(one, _stage_major_arrays(groups), specs, _stage_major(specs))
     return jax.lax.stop_gradient(copies)
 
 

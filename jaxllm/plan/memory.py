@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config import MESH_AXES, ModelConfig, RunConfig, Schedule
-from jaxllm.model.decoder import param_specs
-from jaxllm.model.params import is_norm, is_spec
+from jaxllm.model.decoder import Model
+from jaxllm.model.params import ParamSpec, is_spec
 from jaxllm.parallel.rules import GATHERED_RULES, OPTIMIZER_RULES, RULES, as_tuple, logical_spec
 
 
@@ -24,26 +24,26 @@ def mesh_sizes(cfg: RunConfig) -> dict[str, int]:
 
 @functools.lru_cache(maxsize=64)
 def specs_of(model: ModelConfig, schedule: Schedule | None = None) -> dict:
-    """`param_specs`, remembered: a layout search asks for the same model's many times."""
-    return param_specs(model, schedule)
+    """The model's parameter specs, remembered: a layout search asks for the same model's many times."""
+    return Model(model, schedule).specs
 
 
-def _itemsize(dtype, norms_in_fp32: bool = False) -> Callable[[tuple], int]:
-    """A leaf's bytes per element by its path (the pipeline keeps norm scales in fp32)."""
+def _itemsize(dtype, norms_in_fp32: bool = False) -> Callable[[ParamSpec], int]:
+    """A parameter's bytes per element (the pipeline's copies keep the `keep_fp32` ones in fp32)."""
     size = jnp.dtype(dtype).itemsize
-    return lambda path: 4 if norms_in_fp32 and is_norm(path) else size
+    return lambda spec: 4 if norms_in_fp32 and spec.keep_fp32 else size
 
 
 def _per_device_bytes(specs, rules, mesh: jax.sharding.AbstractMesh, itemsize, *, fit: bool = False) -> int:
     """Bytes one device holds of `specs` laid out by `rules` (see `logical_spec` for `fit`)."""
 
-    def one(path, spec):
+    def one(spec):
         pspec = tuple(logical_spec(spec.axes, rules, spec.shape if fit else None, mesh if fit else None))
         entries = pspec + (None,) * (len(spec.shape) - len(pspec))
         splits = [math.prod(mesh.shape[a] for a in as_tuple(e)) for e in entries]
-        return math.prod(-(-d // n) for d, n in zip(spec.shape, splits, strict=True)) * itemsize(path)
+        return math.prod(-(-d // n) for d, n in zip(spec.shape, splits, strict=True)) * itemsize(spec)
 
-    return sum(jax.tree.leaves(jax.tree_util.tree_map_with_path(one, specs, is_leaf=is_spec)))
+    return sum(jax.tree.leaves(jax.tree.map(one, specs, is_leaf=is_spec)))
 
 
 def _stash_per_token(model: ModelConfig, seq: int, tensor: int, sp: bool) -> tuple[dict, float]:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config import ModelConfig
-from jaxllm.model.decoder import param_specs
+from jaxllm.model.decoder import Model
 from jaxllm.model.int8 import int8_model
 from jaxllm.model.params import is_spec, storage_dtype
 
@@ -59,6 +59,6 @@ def weight_bytes(model: ModelConfig) -> dict[str, float]:
     dense projections int8 with fp32 scales, the embedding, head and norms in bf16."""
     total = param_counts(model)["total"]
     out = {width: total * size for width, size in WEIGHT_BYTES.items()}
-    specs = jax.tree.leaves(param_specs(int8_model(model)), is_leaf=is_spec)
+    specs = jax.tree.leaves(Model(int8_model(model)).specs, is_leaf=is_spec)
     out["int8 as served"] = sum(math.prod(s.shape) * storage_dtype(s, jnp.bfloat16).itemsize for s in specs)
     return out

@@ -31,9 +31,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.config import ModelConfig
 from jaxllm.data.tokenizer import Tokenizer
 from jaxllm.model.cache import AXES
+from jaxllm.model.decoder import Model
 from jaxllm.model.sampling import Sampling
 from jaxllm.parallel.rules import logical_spec
 from jaxllm.serve.generation import (
@@ -58,7 +58,8 @@ class Engine:
 
     def __init__(self, params: dict, serving: Serving, tokenizer: Tokenizer, mesh: Mesh):
         self.params, self.tokenizer, self.mesh = params, tokenizer, mesh
-        self.model, self.settings = model, s = serving.model, serving.settings
+        self.settings = s = serving.settings
+        self.model = Model(serving.model)  # built once: every step below binds its graph to the params
         self.limits = Limits.of(serving, tokenizer)
         self.slots, self.max_len, self.vocab_size = s.slots, s.max_len, self.limits.vocab_size
         self.buckets = prompt_buckets(s.max_prompt_tokens, s.max_len)
@@ -73,14 +74,14 @@ class Engine:
         with jax.set_mesh(mesh):
             cache = NamedSharding(mesh, logical_spec(AXES))  # an int8 cache's scales too (their head_dim is 1)
             replicated = NamedSharding(mesh, P())
-            state = DecodeState.empty(model, s.slots, s.max_len, s.kv_dtype)
+            state = DecodeState.empty(serving.model, s.slots, s.max_len, s.kv_dtype)
             self._shardings = DecodeState(
                 jax.tree.map(lambda _: cache, state.cache), *(jax.tree.map(lambda _: replicated, state[1:]))
             )
             self.state = jax.device_put(state, self._shardings)
-            self._compile(model, self._shardings)
+            self._compile(self.model, self._shardings)
 
-    def _compile(self, model: ModelConfig, shardings: DecodeState) -> None:
+    def _compile(self, model: Model, shardings: DecodeState) -> None:
         """Every step the engine will run, compiled now: a prefill and an insert per prompt bucket,
         and the decode step, each with its outputs' shardings fixed and the decode state donated."""
         cache, replicated = shardings.cache, shardings.tokens
@@ -216,7 +217,7 @@ class Engine:
             message = (f"request {generation.id} was lost when a decode step failed ({type(failure).__name__}) "
                        "and the engine restarted; retry it")  # fmt: skip
             self._drop(generation, RequestFailed(message, "internal_error"))
-        empty = DecodeState.empty(self.model, self.slots, self.max_len, self.settings.kv_dtype)
+        empty = DecodeState.empty(self.model.config, self.slots, self.max_len, self.settings.kv_dtype)
         self.state = jax.device_put(empty, self._shardings)
         self.restarts += 1
 

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import ModelConfig
 from jaxllm.model.cache import KVCache
-from jaxllm.model.decoder import forward
+from jaxllm.model.decoder import Model
 from jaxllm.model.sampling import Sampling, sample
 
 TOP_LOGPROBS = 20
@@ -95,7 +95,7 @@ def prefill(
     tokens: jax.Array,
     length: jax.Array,
     *,
-    model: ModelConfig,
+    model: Model,
     vocab_size: int,
     logprobs: bool,
     kv_dtype: str | None = None,
@@ -103,11 +103,11 @@ def prefill(
     """`tokens` [bucket] (the prompt, then padding) of which the first `length` count, into a cache
     of `kv_dtype` (default: the model's). With `logprobs`, also each prompt token's log-prob (after
     the first) and the top alternatives, which costs the LM head over the whole prompt instead of once."""
-    empty = KVCache.empty(model, 1, tokens.shape[0], kv_dtype)
+    empty = KVCache.empty(model.config, 1, tokens.shape[0], kv_dtype)
     if not logprobs:
-        logits, cache = forward(params, tokens[None], model, cache=empty, logits_at=(length - 1)[None])
+        logits, cache = model.prefill(params, tokens[None], empty, logits_at=(length - 1)[None])
         return Prefix(cache, logits[0, 0], length, _without_logprobs(tokens[1:]))
-    logits, cache = forward(params, tokens[None], model, cache=empty)
+    logits, cache = model.prefill(params, tokens[None], empty)
     return Prefix(cache, logits[0, length - 1], length, _tokens(logits[0, :-1], tokens[1:], vocab_size))
 
 
@@ -132,12 +132,12 @@ def insert(prefix: Prefix, state: DecodeState, slot: jax.Array, sampling: Sampli
     return state, _tokens(prefix.logits[None], first, vocab_size)
 
 
-def decode(params: dict, state: DecodeState, logprobs: jax.Array, *, model: ModelConfig, vocab_size: int):
+def decode(params: dict, state: DecodeState, logprobs: jax.Array, *, model: Model, vocab_size: int):
     """One step for every slot: (state, each slot's next token as `Tokens`, with log-probs if
     `logprobs`, a bool: their top-k over the vocab costs as much as sampling). Idle slots compute
     too; their positions stop at the cache's end."""
     positions = jnp.minimum(state.positions, state.cache.max_len - 1)
-    logits, cache = forward(params, state.tokens[:, None], model, positions=positions[:, None], cache=state.cache)
+    logits, cache = model.decode_step(params, state.tokens[:, None], positions[:, None], state.cache)
     # One gather of the vocab-split logits, so sampling and log-probs run whole on each device.
     logits = jax.lax.with_sharding_constraint(logits[:, -1], P())
     tokens = sample(logits, state.sampling, state.generated, vocab_size)

@@ -21,6 +21,7 @@ from jaxllm.config import RunConfig, validate
 from jaxllm.data.dataset import prepare_data
 from jaxllm.data.loader import eval_batches, train_batches
 from jaxllm.data.tokenizer import prompt_ids, save_tokenizer
+from jaxllm.model.decoder import Model
 from jaxllm.model.generate import generate
 from jaxllm.model.sampling import Sampling
 from jaxllm.parallel.mesh import describe, make_mesh
@@ -256,7 +257,7 @@ class Loop:
         length = min(len(prompt) + t.sample_tokens, model.max_seq_len)
         params = to_canonical(self.state["params"], self.run.schedule)
         sampling = Sampling.one(t.sample_temperature, t.sample_top_k, t.sample_top_p, seed=t.seed)
-        tokens = generate(params, model, prompt, length, sampling, tokenizer.vocab_size)
+        tokens = generate(params, Model(model), prompt, length, sampling, tokenizer.vocab_size)
         return tokenizer.decode(tokens[len(tokenizer.prompt_prefix) :])
 
     def close(self) -> None:

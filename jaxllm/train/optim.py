@@ -1,4 +1,5 @@
-"""Optimizer: clip by global norm → AdamW (no decay on norms), linear warmup + cosine decay."""
+"""Optimizer: clip by global norm → AdamW (weight decay where a parameter's policy asks for it: not
+on norms), linear warmup + cosine decay."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import jax
 import optax
 
 from jaxllm.config import TrainConfig
-from jaxllm.model.params import is_norm
+from jaxllm.model.params import is_spec
 
 
 def learning_rate(train: TrainConfig) -> optax.Schedule:
@@ -19,12 +20,9 @@ def learning_rate(train: TrainConfig) -> optax.Schedule:
     )
 
 
-def _decays(params) -> dict:
-    """Weight decay applies to matrices, not to norm scales and biases."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: not is_norm(path), params)
-
-
-def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(train: TrainConfig, specs: dict) -> optax.GradientTransformation:
+    """The optimizer of parameters declared as `specs` (each `ParamSpec`'s `decay` says whether
+    weight decay applies to it)."""
     return optax.chain(
         optax.clip_by_global_norm(train.clip_norm),
         optax.adamw(
@@ -33,6 +31,6 @@ def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
             b2=train.b2,
             eps=train.eps,
             weight_decay=train.weight_decay,
-            mask=_decays,
+            mask=jax.tree.map(lambda s: s.decay, specs, is_leaf=is_spec),
         ),
     )

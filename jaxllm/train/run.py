@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllm.checkpoint import Checkpointer
 from jaxllm.config import ConfigError, RunConfig, Schedule
-from jaxllm.model.decoder import param_specs
+from jaxllm.model.decoder import Model
 from jaxllm.model.params import is_spec
 from jaxllm.parallel.rules import OPTIMIZER_RULES, RULES, logical_spec, tree_shardings
 from jaxllm.train.optim import make_optimizer
@@ -29,7 +29,7 @@ HOST = "pinned_host"  # the memory kind of host-offloaded arrays
 class Run:
     cfg: RunConfig
     mesh: Mesh
-    schedule: Schedule | None
+    model: Model  # in the run's own (pipeline) view
     optimizer: optax.GradientTransformation
     state: State  # the train state's shapes, dtypes and shardings, in the run's own (pipeline) view
     # Of gradients summed over microsteps: as the optimizer moments lie (with ZeRO-1, split over
@@ -39,6 +39,10 @@ class Run:
     # The state as checkpoints hold it: canonical group order, each array split over the same
     # devices as in training (a pipeline's groups over `stage`), so a restore needs no more memory.
     canonical: State
+
+    @property
+    def schedule(self) -> Schedule | None:
+        return self.model.schedule
 
     @property
     def shardings(self) -> State:
@@ -54,21 +58,24 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def build_run(cfg: RunConfig, mesh: Mesh) -> Run:
-    schedule, optimizer, p = cfg.parallel.schedule, make_optimizer(cfg.train), cfg.parallel
+    schedule, p = cfg.parallel.schedule, cfg.parallel
+    model = Model(cfg.model, schedule)
+    optimizer = make_optimizer(cfg.train, model.specs)
     dtype = jnp.dtype(cfg.model.param_dtype)
     if p.offload_optimizer:
         check_host_memory(mesh.devices.flat[0])
     state = partial(_abstract_state, optimizer=optimizer, mesh=mesh, zero1=p.zero1, offload=p.offload_optimizer,
                     dtype=dtype)  # fmt: skip
-    specs = param_specs(cfg.model, schedule)
+    specs = model.specs
     own = state(specs, rules=RULES)
     # Canonical [groups, ...] split in contiguous blocks over `stage`: the same bytes per device as
     # the pipeline view (exactly its layout when repeats = 1), resharded to it after the read.
-    canonical = state(param_specs(cfg.model), rules=RULES if schedule is None else {**RULES, "layers": "stage"})
+    canonical_specs = specs if schedule is None else Model(cfg.model).specs
+    canonical = state(canonical_specs, rules=RULES if schedule is None else {**RULES, "layers": "stage"})
     return Run(
         cfg=cfg,
         mesh=mesh,
-        schedule=schedule,
+        model=model,
         optimizer=optimizer,
         state=own,
         grad_shardings=_moment_shardings(specs, mesh, p.zero1, RULES),

@@ -7,13 +7,11 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 
 from jaxllm.checkpoint.layout import from_canonical
-from jaxllm.config import ModelConfig, RunConfig, Schedule
+from jaxllm.config import RunConfig
 from jaxllm.hf.directory import read_hf_params
-from jaxllm.model.decoder import Decoder, forward, stage_copies
-from jaxllm.model.params import params_of
+from jaxllm.model.decoder import Model
 from jaxllm.parallel.rules import activation_rules, rules_for
 from jaxllm.parallel.schedule import split_microbatches
 from jaxllm.train.optim import learning_rate
@@ -22,32 +20,24 @@ from jaxllm.train.run import Run, State, on_device
 Batch = dict[str, jax.Array]  # 'inputs', 'targets', optional 'loss_mask', 'segment_ids', 'positions'
 
 
-def loss_sums(
-    params: dict,
-    batch: Batch,
-    model: ModelConfig,
-    schedule: Schedule | None = None,
-    copies: dict | None = None,
-) -> tuple[jax.Array, jax.Array]:
+def loss_sums(params: dict, batch: Batch, model: Model, copies: dict | None = None) -> tuple[jax.Array, jax.Array]:
     """(sum of next-token cross-entropy over unmasked tokens, number of unmasked tokens), in fp32."""
     inputs, segments, positions = batch["inputs"], batch.get("segment_ids"), batch.get("positions")
-    logits = forward(params, inputs, model, segments, positions, schedule, copies)
+    logits = model.logits(params, inputs, segments, positions, copies)
     lse = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
     mask = batch.get("loss_mask", jnp.ones_like(batch["targets"])).astype(jnp.float32)
     return jnp.sum((lse - target_logit) * mask), jnp.sum(mask)
 
 
-def mean_loss(
-    params: dict, batch: Batch, model: ModelConfig, schedule: Schedule | None = None
-) -> jax.Array:
-    total, count = loss_sums(params, batch, model, schedule)
+def mean_loss(params: dict, batch: Batch, model: Model) -> jax.Array:
+    total, count = loss_sums(params, batch, model)
     return total / jnp.maximum(count, 1.0)
 
 
 def init_params(cfg: RunConfig) -> dict:
     """The decoder's initial params with the run's seed, in the run's pipeline view."""
-    return params_of(Decoder(cfg.model, rngs=nnx.Rngs(cfg.train.seed), schedule=cfg.parallel.schedule))
+    return Model(cfg.model, cfg.parallel.schedule).init(cfg.train.seed)
 
 
 def init_state(run: Run) -> State:
@@ -55,7 +45,7 @@ def init_state(run: Run) -> State:
     state directly into their shardings."""
 
     def init(params: dict | None) -> State:
-        params = init_params(run.cfg) if params is None else from_canonical(params, run.schedule)
+        params = run.model.init(run.cfg.train.seed) if params is None else from_canonical(params, run.schedule)
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": run.optimizer.init(params)}
 
     hf = run.cfg.init.hf
@@ -72,14 +62,14 @@ def train_step(state: State, batch: Batch, run: Run) -> tuple[State, dict]:
 
 def _train_step(state: State, batch: Batch, run: Run) -> tuple[State, dict]:
     cfg = run.cfg
-    model, accum = cfg.model, cfg.train.grad_accum_steps
+    model, accum = run.model, cfg.train.grad_accum_steps
     grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
     params = state["params"]
-    copies = stage_copies(params, model, run.schedule)  # a pipeline's FSDP gather: once per step
+    copies = model.stage_copies(params)  # a pipeline's FSDP gather: once per step
 
     def accumulate(carry, micro):
         total, count, grads = carry
-        (loss, n), g = grad_fn(params, micro, model, run.schedule, copies)
+        (loss, n), g = grad_fn(params, micro, model, copies)
         grads = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grads, g), run.grad_shardings)
         return (total + loss, count + n, grads), None
 
@@ -130,7 +120,7 @@ def apply_optimizer(
 def eval_step(params: dict, batch: Batch, run: Run) -> tuple[jax.Array, jax.Array]:
     """(loss sum, token count) of a batch under the current params."""
     with activation_rules(rules_for(run.cfg.parallel)):
-        return loss_sums(params, batch, run.cfg.model, run.schedule)
+        return loss_sums(params, batch, run.model)
 
 
 def compile_eval_step(run: Run):
