@@ -8,7 +8,7 @@ the tokenizer's files). `to-hf` writes config.json, safetensors (sharded past --
 with the index), generation_config.json and the tokenizer's files, as transformers, vLLM and TGI
 load them. A model Llama cannot express is refused by the field that differs; a shared QKV
 (`qkv_share_every` > 1) is written into every layer of its group with --expand-shared-qkv.
-Both directions go a tensor at a time (see `jaxllm/hf/`); neither needs torch.
+Both directions go a tensor at a time (see `jaxllm/checkpoint/hf/`); neither needs torch.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ import argparse
 import pathlib
 import re
 
+from jaxllm import cli
 from jaxllm.checkpoint import load_params, stored_config, write_export
+from jaxllm.checkpoint.hf.config import ConversionError, check_llama, is_hf_dir, require_hf_dir
+from jaxllm.checkpoint.hf.directory import expanded_qkv_parameters, write_hf
+from jaxllm.checkpoint.hf.files import SAFETENSORS_DTYPES
 from jaxllm.config import ParallelConfig
-from jaxllm.data.tokenizer import HFTokenizer, load_saved_tokenizer, save_tokenizer
+from jaxllm.data.tokenizer import HFTokenizer, has_saved_tokenizer, load_saved_tokenizer, save_tokenizer
 from jaxllm.errors import exit_on_error
-from jaxllm.hf.config import ConversionError, check_llama, is_hf_dir, require_hf_dir
-from jaxllm.hf.directory import expanded_qkv_parameters, write_hf
-from jaxllm.hf.files import SAFETENSORS_DTYPES
 from jaxllm.model.decoder import Model
 from jaxllm.model.params import at_path, count
 from jaxllm.parallel.mesh import make_mesh
@@ -63,7 +64,8 @@ def to_hf(
                               "shards, convert it from-hf first, then to-hf")  # fmt: skip
     model = stored_config(checkpoint).model
     check_llama(model, expand_shared_qkv)  # before reading any weights
-    saved_tokenizer = load_saved_tokenizer(checkpoint / "tokenizer", tokenizer)
+    saved = checkpoint / "tokenizer"
+    saved_tokenizer = load_saved_tokenizer(saved, tokenizer) if tokenizer or has_saved_tokenizer(saved) else None
     mesh, read = _local_fsdp_mesh(), {}
 
     def parameter(path: tuple[str, ...]):  # one at a time: host memory holds one, not the model
@@ -78,7 +80,10 @@ def to_hf(
         print(f"to-hf: --expand-shared-qkv wrote each of the {model.groups} shared q/k/v into the "
               f"{model.qkv_share_every} layers of its group: an exact Llama with "
               f"{expanded_qkv_parameters(model):,} more parameters than this model")  # fmt: skip
-    if not isinstance(saved_tokenizer, HFTokenizer):
+    if saved_tokenizer is None:
+        print(f"to-hf: {checkpoint} holds no tokenizer, so {out} has none (and config.json names no bos or eos "
+              "token): copy the model's tokenizer files there, or convert again with --tokenizer")  # fmt: skip
+    elif not isinstance(saved_tokenizer, HFTokenizer):
         print(f"to-hf: the run's tokenizer is {saved_tokenizer.name!r}, which has no tokenizer.json; load it with "
               "transformers' AutoTokenizer.from_pretrained('gpt2')")  # fmt: skip
 
@@ -101,7 +106,7 @@ def byte_size(text: str) -> int:
 
 @exit_on_error
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m jaxllm.convert", description=__doc__.split("\n")[0])
+    parser = cli.parser("python -m jaxllm.convert", __doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     down = sub.add_parser("from-hf", help="a Hugging Face Llama directory → a jaxllm export")
     down.add_argument("--hf", required=True, help="a directory with config.json and safetensors")

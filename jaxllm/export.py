@@ -12,9 +12,9 @@ loads them as they are.
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 
+from jaxllm import cli
 from jaxllm.checkpoint import load_params, write_export
 from jaxllm.config import ParallelConfig
 from jaxllm.data.tokenizer import load_saved_tokenizer, save_tokenizer
@@ -41,7 +41,7 @@ def export(
 
 @exit_on_error
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m jaxllm.export", description=__doc__.split("\n")[0])
+    parser = cli.parser("python -m jaxllm.export", __doc__)
     parser.add_argument("--workdir", required=True, help="a training run's --workdir")
     parser.add_argument("--out", required=True)
     parser.add_argument("--step", type=int, default=None, help="a checkpoint step (default: the latest)")

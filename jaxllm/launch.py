@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from jaxllm import heartbeat
+from jaxllm import cli, heartbeat
 
 
 def _free_port() -> int:
@@ -100,7 +100,7 @@ def run_group(command: list[str], nproc: int, heartbeat_timeout: float, startup_
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m jaxllm.launch", description=__doc__.split("\n")[0])
+    parser = cli.parser("python -m jaxllm.launch", __doc__)
     parser.add_argument("--nproc", type=int, required=True, help="processes to start on this machine")
     parser.add_argument("--max-restarts", type=int, default=3)
     parser.add_argument("--heartbeat-timeout", type=float, default=300.0, help="seconds without a step")

@@ -20,11 +20,11 @@ from flax import nnx
 from numpy_llama import greedy, logits
 
 from jaxllm.checkpoint import load_params, write_export
+from jaxllm.checkpoint.hf.config import ConversionError, check_llama, fine_tuning_config
 from jaxllm.checkpoint.layout import to_canonical
 from jaxllm.config import ParallelConfig, RunConfig, validate
 from jaxllm.convert import from_hf, to_hf
-from jaxllm.data.tokenizer import get_tokenizer, save_tokenizer, train_bpe
-from jaxllm.hf.config import ConversionError, check_llama, fine_tuning_config
+from jaxllm.data.tokenizer import TokenizerError, get_tokenizer, save_tokenizer, train_bpe
 from jaxllm.model.decoder import Decoder, Model
 from jaxllm.model.generate import generate
 from jaxllm.model.params import params_of
@@ -135,10 +135,14 @@ def test_sharded_import_fills_each_device_with_its_slice(tmp_path):
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), whole, split)
 
 
-def test_hf_to_jaxllm_to_hf_gives_back_the_same_tensors(tmp_path):
+def test_hf_to_jaxllm_to_hf_gives_back_the_same_tensors(tmp_path, capsys):
+    """A weights-only directory (config.json and safetensors, no tokenizer) goes both ways: back
+    come the same tensors and config, and no tokenizer files, with a note that says so."""
     config, tensors = hand_built(tmp_path / "hf", **MHA_TIED_BF16)
     from_hf(tmp_path / "hf", tmp_path / "export")
-    to_hf(tmp_path / "export", tmp_path / "back", tokenizer="gpt2")
+    to_hf(tmp_path / "export", tmp_path / "back")
+    assert "holds no tokenizer, so" in capsys.readouterr().out
+    assert {p.name for p in (tmp_path / "back").iterdir()} == {"config.json", "model.safetensors"}
     back = safetensors.numpy.load_file(tmp_path / "back" / "model.safetensors")
     assert back.keys() == tensors.keys()
     for name, tensor in tensors.items():
@@ -353,6 +357,33 @@ def test_a_models_tokenizer_files_give_its_special_tokens_stops_and_chat_templat
 OWN_TEMPLATE = (
     "{% for m in messages %}\n  {{ m.role }}: {{ m.content }}\n{% if loop.last %}{% break %}{% endif %}\n{% endfor %}\n"
 )
+
+
+@pytest.mark.parametrize("declared", ["tokenizer_config", "generation_config", "neither"])
+def test_special_tokens_come_from_the_files_that_declare_them(tmp_path, declared):
+    """An end-of-text token of any name (here <|im_end|>, as Qwen and ChatML name theirs) is the
+    one tokenizer_config.json's eos_token or generation_config.json's eos_token_id names; with
+    neither, and no usual name in the vocabulary, the tokenizer is refused, naming both files."""
+    directory = tmp_path / "tok"
+    directory.mkdir()
+    tok = tokenizers.Tokenizer.from_file(str(bpe_tokenizer(tmp_path)))
+    vocab = tok.get_vocab()
+    rename = {"<|endoftext|>": "<|im_end|>", "<|pad|>": "<|im_start|>"}
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE({rename.get(t, t): i for t, i in vocab.items()}, []))
+    tok.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in rename.values()])
+    tok.save(str(directory / "tokenizer.json"))
+    end, start = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|im_start|>")
+    if declared == "tokenizer_config":
+        (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "bos_token": None}))
+    if declared == "generation_config":
+        (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": end, "bos_token_id": start}))
+    if declared == "neither":
+        with pytest.raises(TokenizerError, match="no end-of-text token: name it as eos_token in tokenizer_config"):
+            get_tokenizer(directory)
+        return
+    tokenizer = get_tokenizer(directory)
+    assert tokenizer.eos_id == end and end in tokenizer.stop_ids
+    assert tokenizer.bos_id == (start if declared == "generation_config" else end)
 
 
 def test_a_models_own_chat_template_renders_as_transformers_renders_it(tmp_path):

@@ -86,3 +86,11 @@ def test_export_writes_params_for_serving(runs, tmp_path):
     assert step == 12 and "opt_state" not in params
     assert (cfg.model.hidden, cfg.parallel.data, cfg.parallel.fsdp) == (64, 4, 2)  # the run's own config
     chex.assert_trees_all_equal(params, checkpoint_params(single, 12))
+
+
+def test_the_launcher_imports_no_jax():
+    """It supervises processes that run JAX; a supervisor that loaded it would hold its threads
+    and memory for nothing (import-linter's contract says the same of the source)."""
+    probe = "import sys, jaxllm.launch; print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

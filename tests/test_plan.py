@@ -161,3 +161,19 @@ def test_planner_refuses_a_layout_the_trainer_would():
            "--config.parallel.fsdp=1"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "do not split into parallel.stage=8" in proc.stderr + proc.stdout
+
+
+def test_plan_compile_sets_the_dry_runs_figures_beside_the_estimates():
+    """`--compile` runs `python -m jaxllm.train --dry-run` with the same config and overrides in a
+    process of its own (the planner imports no training code), which compiles the real step."""
+    overrides = ["--config.model.num_layers=4", "--config.parallel.data=2", "--config.parallel.tensor=2"]
+    cmd = [sys.executable, "-m", "jaxllm.plan", "--config", "configs/tiny.py", *overrides, "--compile"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "mesh: data 2 × fsdp 1 × stage 1 × tensor 2 = 4 cpu devices" in out
+    assert f"$ -m jaxllm.train --config configs/tiny.py {' '.join(overrides)} --dry-run" in out
+    planned = float(re.search(r"planned total / compiler peak = ([\d.]+)", out).group(1))
+    assert 0.5 < planned < 2.0 and "all-reduce" in out
+    probe = "import sys, jaxllm.plan.__main__; print(sorted(m for m in sys.modules if m.startswith('jaxllm.train')))"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "[]"

@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import json
 import pathlib
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
+from jaxllm.checkpoint.hf.config import is_hf_dir
+from jaxllm.checkpoint.hf.directory import read_hf_params, stored_hf_config
 from jaxllm.checkpoint.manager import UNREADABLE, CheckpointError, saved_config
 from jaxllm.config import ModelConfig, ParallelConfig, RunConfig
-from jaxllm.hf.config import is_hf_dir
-from jaxllm.hf.directory import read_hf_params, stored_hf_config
 from jaxllm.model.decoder import Model
 from jaxllm.model.int8 import int8_model, quantize_weight
 from jaxllm.model.params import at_path, is_spec, storage_dtype
@@ -111,20 +112,11 @@ def load_params(
     the params hold that one parameter (not with `quantize`)."""
     path = pathlib.Path(path).absolute()
     mesh = mesh or make_mesh(ParallelConfig(data=1), jax.devices()[:1])
-    if quantize is None:
-        return _read_params(path, mesh, dtype, step, only)
-    if only is not None:
+    if quantize is not None and only is not None:
         raise ValueError("load_params reads one parameter (only=) in full precision; drop quantize")
-    cfg, params, step = _read_params(path, mesh, None, step)
-    params = _quantized(params, cfg.model, mesh, dtype or cfg.model.param_dtype)
-    return cfg.updated(model=dict(quantize=quantize)), params, step
 
-
-def _read_params(
-    path: pathlib.Path, mesh: Mesh, dtype: Any, step: int | None, only: tuple[str, ...] | None = None
-) -> tuple[RunConfig, dict, int]:
     def target_of(cfg: RunConfig) -> dict:
-        target = abstract_params(Model(cfg.model).specs, mesh, dtype or cfg.model.param_dtype)
+        target = abstract_params(Model(cfg.model).specs, mesh, (quantize is None and dtype) or cfg.model.param_dtype)
         if only is None:
             return target
         part = at_path(target, only)
@@ -132,6 +124,24 @@ def _read_params(
             part = {key: part}
         return part
 
+    cfg, params, step = _read_params(path, target_of, step)
+    if quantize is None:
+        return cfg, params, step
+    params = _quantized(params, cfg.model, mesh, dtype or cfg.model.param_dtype)
+    return cfg.updated(model=dict(quantize=quantize)), params, step
+
+
+def read_into(path: str | pathlib.Path, target: dict) -> dict:
+    """The params of the export, Hugging Face Llama or training run (its latest readable
+    checkpoint) at `path`, read straight into `target`'s shapes, dtypes and shardings (a run's
+    canonical layout, say): how fine-tuning starts."""
+    return _read_params(pathlib.Path(path).absolute(), lambda cfg: target, None)[1]
+
+
+def _read_params(
+    path: pathlib.Path, target_of: Callable[[RunConfig], dict], step: int | None
+) -> tuple[RunConfig, dict, int]:
+    """(config, params laid out as `target_of(config)`, step) of whatever is at `path`."""
     if is_hf_dir(path):
         cfg = stored_config(path)
         return cfg, read_hf_params(path, cfg.model, target_of(cfg)), 0

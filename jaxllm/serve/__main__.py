@@ -13,10 +13,10 @@ import uvicorn
 from absl import logging
 
 from jaxllm import cli
+from jaxllm.checkpoint.hf.config import require_hf_dir
 from jaxllm.config import ConfigError, RunConfig
 from jaxllm.data.tokenizer import prompt_ids
 from jaxllm.errors import exit_on_error
-from jaxllm.hf.config import require_hf_dir
 from jaxllm.serve.api import create_app
 from jaxllm.serve.chat import ChatTemplate
 from jaxllm.serve.generation import Limits, Request

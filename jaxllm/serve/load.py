@@ -11,9 +11,9 @@ from typing import Any
 import jax
 
 from jaxllm.checkpoint import load_params, stored_config
+from jaxllm.checkpoint.hf.config import is_hf_dir
 from jaxllm.config import ConfigError
 from jaxllm.data.tokenizer import Tokenizer, get_tokenizer, load_saved_tokenizer
-from jaxllm.hf.config import is_hf_dir
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.serve.engine import Engine
 from jaxllm.serve.settings import ServeConfig, Serving, serving_config

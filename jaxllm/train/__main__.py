@@ -1,5 +1,5 @@
 """`python -m jaxllm.train --config configs/X.py [--config.a.b=value ...] [--workdir DIR] [--dry-run]`;
-with `--config.init.hf=DIR`, fine-tunes the Hugging Face Llama there (see `jaxllm/hf/config.py`)."""
+with `--config.init.hf=DIR`, fine-tunes the Hugging Face Llama there (see `jaxllm/checkpoint/hf/config.py`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import sys
 from absl import logging
 
 from jaxllm import cli
+from jaxllm.checkpoint.hf.config import fine_tuning_config
 from jaxllm.config import RunConfig, load_config
 from jaxllm.errors import exit_on_error
-from jaxllm.hf.config import fine_tuning_config
 from jaxllm.parallel.distributed import initialize_from_environment
 from jaxllm.train.dry_run import dry_run, ensure_fake_devices
 from jaxllm.train.loop import Hooks, train

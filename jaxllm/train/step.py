@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxllm.checkpoint import read_into
 from jaxllm.checkpoint.layout import from_canonical
 from jaxllm.config import RunConfig
-from jaxllm.hf.directory import read_hf_params
 from jaxllm.model.decoder import Model
 from jaxllm.parallel.rules import activation_rules, rules_for
 from jaxllm.parallel.schedule import split_microbatches
@@ -49,7 +49,7 @@ def init_state(run: Run) -> State:
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": run.optimizer.init(params)}
 
     hf = run.cfg.init.hf
-    loaded = None if hf is None else read_hf_params(hf, run.cfg.model, run.canonical["params"])
+    loaded = None if hf is None else read_into(hf, run.canonical["params"])
     return jax.jit(init, out_shardings=run.shardings)(loaded)
 
 

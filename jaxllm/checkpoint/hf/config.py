@@ -132,7 +132,7 @@ def check_llama(model: ModelConfig, expand_shared_qkv: bool = False) -> None:
         )
 
 
-def hf_config(model: ModelConfig, dtype: str, bos_id: int, eos_id: int) -> dict[str, Any]:
+def hf_config(model: ModelConfig, dtype: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
     """The `config.json` of `model` as a LlamaForCausalLM (see `check_llama`), weights in `dtype`."""
     s, scaling = model, model.rope_scaling
     rope = {"rope_type": "default", "rope_theta": model.rope_theta}

@@ -13,9 +13,9 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from jaxllm.checkpoint.hf.config import ConversionError
+from jaxllm.checkpoint.hf.files import WeightFiles, write_weights
 from jaxllm.config import ModelConfig
-from jaxllm.hf.config import ConversionError
-from jaxllm.hf.files import WeightFiles, write_weights
 from jaxllm.model.params import at_path
 
 LAYER = "model.layers.{layer}."

@@ -17,7 +17,7 @@ import ml_dtypes  # noqa: F401  (names bfloat16 for numpy)
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from jaxllm.hf.config import ConversionError, read_json
+from jaxllm.checkpoint.hf.config import ConversionError, read_json
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}

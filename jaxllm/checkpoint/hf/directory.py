@@ -11,11 +11,11 @@ from collections.abc import Callable
 
 import jax
 
+from jaxllm.checkpoint.hf.config import ConversionError, hf_config, model_fields, read_json
+from jaxllm.checkpoint.hf.files import SAFETENSORS_DTYPES, WeightFiles
+from jaxllm.checkpoint.hf.tensors import read_params, rules, write_hf_weights
 from jaxllm.config import ModelConfig, RunConfig
 from jaxllm.data.tokenizer import HFTokenizer, Tokenizer
-from jaxllm.hf.config import ConversionError, hf_config, model_fields, read_json
-from jaxllm.hf.files import SAFETENSORS_DTYPES, WeightFiles
-from jaxllm.hf.tensors import read_params, rules, write_hf_weights
 
 DTYPES = {code: name for name, code in SAFETENSORS_DTYPES.items()}
 
@@ -43,17 +43,20 @@ def write_hf(
     out: str | pathlib.Path,
     model: ModelConfig,
     parameter: Callable[[tuple[str, ...]], jax.Array],
-    tokenizer: Tokenizer,
+    tokenizer: Tokenizer | None,
     dtype: str,
     max_shard_bytes: int,
 ) -> list[pathlib.Path]:
-    """Writes `model` (see `check_llama`) as a Llama directory with the tokenizer's files, its
-    params asked of `parameter` one at a time (see `write_hf_weights`); returns the weight files."""
+    """Writes `model` (see `check_llama`) as a Llama directory with the tokenizer's files (if it
+    has a tokenizer), its params asked of `parameter` one at a time (see `write_hf_weights`);
+    returns the weight files."""
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     files = write_hf_weights(out, parameter, model, dtype, max_shard_bytes)
-    config = hf_config(model, dtype, tokenizer.bos_id, tokenizer.eos_id)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    ids = (None, None) if tokenizer is None else (tokenizer.bos_id, tokenizer.eos_id)
+    (out / "config.json").write_text(json.dumps(hf_config(model, dtype, *ids), indent=2))
+    if tokenizer is None:
+        return files
     if isinstance(tokenizer, HFTokenizer):
         tokenizer.save(out)  # tokenizer.json with the tokenizer_config.json etc. it came with
         _write_absent(out / "tokenizer_config.json", {
