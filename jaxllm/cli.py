@@ -19,6 +19,7 @@ from jaxllm.config import ConfigError, RunConfig, Section
 
 OVERRIDE = "--config."
 TRUE, FALSE = ("true", "yes", "1"), ("false", "no", "0")
+KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "text"}
 
 
 def parser(prog: str, doc: str, sections: Sequence[type[Section]] = ()) -> argparse.ArgumentParser:
@@ -118,7 +119,7 @@ def _parse(name: str, text: str, kind: Any) -> Any:
             return text.lower() in TRUE
         return kind(text)
     except ValueError:
-        raise ConfigError(f"--config.{name}={text}: not a {kind.__name__}; give a {kind.__name__}") from None
+        raise ConfigError(f"--config.{name}={text}: the field takes {KINDS[kind]}; give one") from None
 
 
 def quiet_jax_logs() -> None:

@@ -113,7 +113,7 @@ def main() -> int:
     args = parser.parse_args()
     base = load_config(args.config)
     base = base.updated(train=dict(steps=args.steps or base.train.steps))
-    data = prepare_data(base)
+    data = prepare_data(base.data, base.model)
     t = base.train
     val = eval_batches(data.tokens_dir, t.seq_len, t.batch_size, base.data.eval_batches, data.tokenizer.eos_id)
     prompts = np.stack([b["inputs"][0, :32] for b in val] * 2)[:8]

@@ -237,12 +237,12 @@ def test_bad_inputs_are_refused_before_training(tmp_path, corpus, prepared):
     cfg = small_config()
     cfg = cfg.updated(data=dict(inputs=str(corpus / "*"), tokenizer="gpt2", dir=str(tmp_path / "run")))
     with pytest.raises(ConfigError, match=r"model.vocab_size=257 is smaller than the tokenizer's 50257 tokens"):
-        prepare_data(cfg)
+        prepare_data(cfg.data, cfg.model)
 
     out, _ = prepared  # made with the trained BPE; the config names gpt2
     cfg = cfg.updated(model=dict(vocab_size=50257), data=dict(dir=str(out.parent)))
     with pytest.raises(ConfigError, match="was prepared with tokenizer .* but the config names 'gpt2'"):
-        prepare_data(cfg)
+        prepare_data(cfg.data, cfg.model)
 
 
 def test_stdlib_corpus_leaves_out_installed_packages_and_tests():

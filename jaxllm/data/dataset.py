@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxllm.config import ConfigError, DataConfig, ModelConfig, RunConfig
+from jaxllm.config import ConfigError, DataConfig, ModelConfig
 from jaxllm.data.corpus import read_documents, resolve_inputs
 from jaxllm.data.prepare import prepare, read_meta
 from jaxllm.data.tokenizer import Tokenizer, get_tokenizer, train_bpe
@@ -53,16 +53,16 @@ def _check(tokenizer: Tokenizer, tokens_dir: pathlib.Path, model: ModelConfig) -
         )
 
 
-def prepare_data(cfg: RunConfig) -> Data:
+def prepare_data(data: DataConfig, model: ModelConfig) -> Data:
     """Runs once per run, before any step. Process 0 trains the tokenizer and prepares the shards;
-    the other processes wait for it, then check the same things."""
-    directory = pathlib.Path(cfg.data.dir)
+    the other processes wait for it, then check the same things (the vocabulary fits `model`)."""
+    directory = pathlib.Path(data.dir)
     failure = None
     if jax.process_index() == 0:
         try:
-            spec = _tokenizer_spec(cfg.data, directory)
-            _check(get_tokenizer(spec), directory / "tokens", cfg.model)
-            prepare(_inputs(cfg.data), spec, directory / "tokens", cfg.data.val_fraction)
+            spec = _tokenizer_spec(data, directory)
+            _check(get_tokenizer(spec), directory / "tokens", model)
+            prepare(_inputs(data), spec, directory / "tokens", data.val_fraction)
         except JaxllmError as e:
             failure = e
     if jax.process_count() > 1:  # the others must not wait for data that will never come
@@ -70,6 +70,6 @@ def prepare_data(cfg: RunConfig) -> Data:
             raise ConfigError("process 0 could not prepare the data; its output says why")
     if failure is not None:
         raise failure
-    tokenizer = get_tokenizer(_tokenizer_spec(cfg.data, directory))
-    _check(tokenizer, directory / "tokens", cfg.model)
+    tokenizer = get_tokenizer(_tokenizer_spec(data, directory))
+    _check(tokenizer, directory / "tokens", model)
     return Data(tokenizer, directory / "tokens")

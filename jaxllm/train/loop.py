@@ -48,7 +48,7 @@ def train(cfg: RunConfig, workdir: str | pathlib.Path, *, progress: bool = True,
     validate(cfg, jax.device_count(), jax.default_backend())
     run = build_run(cfg, make_mesh(cfg.parallel))
     _announce(run, progress)
-    data = prepare_data(cfg)
+    data = prepare_data(cfg.data, cfg.model)
     if jax.process_index() == 0:  # serving and export read it from here
         save_tokenizer(data.tokenizer, pathlib.Path(workdir) / "tokenizer")
     peak = peak_flops(jax.devices())  # outside the mesh, where a matmul runs on one device
