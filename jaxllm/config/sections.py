@@ -1,29 +1,17 @@
-"""Typed configuration: one frozen, hashable dataclass per section, each checking itself when it is
-built (every error names the field, its value and the fix) and deriving what follows from it as
-properties; `RunConfig` holds a training run's sections and checks them together; `validate` adds
-what depends on the devices.
-
-What users write stays an `ml_collections.ConfigDict` (`configs/*.py`, `--config.x.y=v`, a
-checkpoint's stored config): `RunConfig.from_dict` converts it once, at the command line's edge,
-and nothing below that edge sees a ConfigDict. `base_config()` is that ConfigDict, made from the
-dataclasses' own defaults.
-"""
+"""The sections of a training run's config, each a frozen dataclass that checks itself and
+derives what follows from it, and `RunConfig`, which holds them and checks them together."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
-import pathlib
-import types
 import typing
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, NamedTuple
 
 import ml_collections
-from ml_collections.config_dict import placeholder
 
-from jaxllm.errors import JaxllmError
+from jaxllm.config.section import ConfigError, Section, _merged, _plain, apply_overrides, field, require
 
 Norm = Literal["rmsnorm", "layernorm"]
 MlpActivation = Literal["swiglu", "geglu", "gelu"]
@@ -35,70 +23,6 @@ Quantize = Literal["int8"]
 REMAT_POLICIES = typing.get_args(RematPolicy)
 MESH_AXES = ("data", "fsdp", "stage", "tensor")
 RETIRED_SECTIONS = ("debug", "serve")  # in configs stored before: fault injection moved out, serving owns its own
-
-
-class ConfigError(JaxllmError):
-    """A setting that cannot work; the message says which field and how to fix it."""
-
-
-def require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-def field(default: Any, help: str) -> Any:
-    """A setting with its one-line description (what `--help` shows)."""
-    return dataclasses.field(default=default, metadata={"help": help})
-
-
-@dataclasses.dataclass(frozen=True)
-class Section:
-    """A section of settings: built from a mapping (unknown fields refused by name), written back
-    as a plain dict, changed by copy."""
-
-    name: ClassVar[str]
-
-    def __post_init__(self) -> None:
-        hints = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):
-            allowed = _choices(hints[f.name])
-            value = getattr(self, f.name)
-            require(not allowed or value in allowed, f"{self.name}.{f.name}={value!r} is unknown; use one of {allowed}")
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> typing.Self:
-        hints, known = typing.get_type_hints(cls), {f.name for f in dataclasses.fields(cls)}
-        for key in values:
-            unknown = f"{cls.name}.{key}: the config has no such field; see jaxllm/config.py for the fields"
-            require(key in known, unknown)
-        kwargs = {}
-        for key, value in values.items():
-            kind = hints[key]
-            kwargs[key] = kind.from_dict(value) if isinstance(kind, type) and issubclass(kind, Section) else value
-        return cls(**kwargs)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The settings as written: plain values, each section a dict."""
-        return {f.name: _written(getattr(self, f.name)) for f in dataclasses.fields(self)}
-
-    def replace(self, **changes: Any) -> typing.Self:
-        """A copy with `changes` (a nested section as a section or a dict), built and checked anew."""
-        return type(self).from_dict(self.to_dict() | {k: _written(v) for k, v in changes.items()})
-
-
-def _written(value: Any) -> Any:
-    return value.to_dict() if isinstance(value, Section) else value
-
-
-def _choices(kind: Any) -> tuple:
-    """The allowed values of a Literal type (with None if it is optional), else (): any."""
-    if typing.get_origin(kind) is Literal:
-        return typing.get_args(kind)
-    if typing.get_origin(kind) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(kind) if a is not type(None)]
-        if all(typing.get_origin(a) is Literal for a in args):
-            return (*(c for a in args for c in typing.get_args(a)), None)
-    return ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,9 +266,7 @@ class DataConfig(Section):
 @dataclasses.dataclass(frozen=True)
 class InitConfig(Section):
     name: ClassVar[str] = "init"
-    hf: str | None = field(
-        None, "a Hugging Face Llama directory to fine-tune: its architecture, tokenizer and weights"
-    )
+    hf: str | None = field(None, "a Hugging Face Llama directory to fine-tune: its architecture, tokenizer and weights")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,168 +327,3 @@ class RunConfig(Section):
     def overridden(self, dotted: Mapping[str, Any]) -> RunConfig:
         """A copy with dotted fields changed, as the command line names them: {'train.steps': 5}."""
         return RunConfig.from_dict(apply_overrides(ml_collections.ConfigDict(self.to_dict()), dotted))
-
-
-def _plain(values: Any) -> Any:
-    """A ConfigDict (or any mapping) as nested plain dicts."""
-    if isinstance(values, ml_collections.ConfigDict):
-        return values.to_dict()
-    return {k: _plain(v) for k, v in values.items()} if isinstance(values, Mapping) else values
-
-
-def _merged(base: dict, changes: Mapping) -> dict:
-    out = dict(base)
-    for key, value in changes.items():
-        out[key] = _merged(out.get(key, {}), value) if isinstance(value, Mapping) else value
-    return out
-
-
-def base_config(*sections: type[Section]) -> ml_collections.ConfigDict:
-    """What config files and `--config.x.y=v` overrides start from: every field of a run (and of
-    the `sections` a tool adds, each under its name), with its default. A field whose default is
-    None is a typed placeholder, so an override is checked against its type."""
-
-    def as_dict(section: type[Section]) -> dict:
-        hints = typing.get_type_hints(section)
-        out = {}
-        for f in dataclasses.fields(section):
-            kind, default = hints[f.name], f.default
-            if isinstance(kind, type) and issubclass(kind, Section):
-                out[f.name] = as_dict(kind)
-            elif default is None:
-                out[f.name] = placeholder(_optional_type(kind))
-            else:
-                out[f.name] = default
-        return out
-
-    cfg = ml_collections.ConfigDict(as_dict(RunConfig))
-    for section in sections:
-        cfg[section.name] = as_dict(section)
-    return cfg
-
-
-def _optional_type(kind: Any) -> type:
-    """The type a placeholder holds: T of `T | None` (str for a Literal's values)."""
-    arg = next(a for a in typing.get_args(kind) if a is not type(None))
-    return type(typing.get_args(arg)[0]) if typing.get_origin(arg) is Literal else arg
-
-
-def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Mapping[str, Any]) -> ml_collections.ConfigDict:
-    """Sets dotted fields ('serve.slots': 4) on `cfg` and returns it; refuses names it does not have."""
-    for name, value in overrides.items():
-        *parents, leaf = name.split(".")
-        node = cfg
-        for parent in parents:
-            node = node.get(parent)
-            if node is None:
-                break
-        if node is None or leaf not in node:
-            raise ConfigError(f"--config.{name}: the config has no such field; see jaxllm/config.py for the fields")
-        node[leaf] = value
-    return cfg
-
-
-def load_config(path: str | pathlib.Path, overrides: Mapping[str, Any] | None = None) -> RunConfig:
-    """The run config of a config file, e.g. `configs/tiny.py` (paths relative to the repo root
-    work too): its `get_config()`, with dotted `overrides` ({'train.steps': 5}) on top."""
-    path = pathlib.Path(path)
-    if not path.exists() and (pathlib.Path(__file__).parents[1] / path).exists():
-        path = pathlib.Path(__file__).parents[1] / path
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    if spec is None or not path.exists():
-        raise ConfigError(f"config file {path} does not exist; pass a path such as configs/tiny.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    written = module.get_config()
-    if not isinstance(written, ml_collections.ConfigDict):
-        raise ConfigError(f"{path}: get_config() returned a {type(written).__name__}; return a ConfigDict")
-    return RunConfig.from_dict(apply_overrides(written, overrides or {}))
-
-
-def validate_tensor(m: ModelConfig, tensor: int, field_name: str) -> None:
-    """Every tensor-parallel dimension splits evenly over `tensor` devices."""
-    for name, value in (
-        ("model.num_heads", m.num_heads),
-        ("model.num_kv_heads", m.num_kv_heads),
-        ("model.mlp", m.mlp),
-        ("padded vocab (model.vocab_size rounded up to model.vocab_pad_multiple)", m.padded_vocab),
-    ):
-        require(
-            value % tensor == 0,
-            f"{name}={value} is not divisible by {field_name}={tensor}; choose a tensor size that divides {value}",
-        )
-
-
-def _validate_attention(cfg: RunConfig, backend: str | None) -> None:
-    m, impl = cfg.model, cfg.model.attention
-    if impl == "xla":
-        return
-    fix = "or set model.attention='xla'"
-    require(
-        backend in (None, "gpu"),
-        f"model.attention={impl!r} is a GPU kernel and this machine's JAX backend is {backend!r}; "
-        "set model.attention='xla' here",
-    )
-    if impl == "cudnn":
-        require(
-            m.dtype in ("bfloat16", "float16"),
-            f"model.attention='cudnn' has no {m.dtype} kernel; set model.dtype='bfloat16' {fix}",
-        )
-        require(
-            m.head_dim <= 128 and m.head_dim % 8 == 0,
-            f"model.attention='cudnn' needs a head dim that is a multiple of 8 and at most 128, got {m.head_dim}; "
-            f"{fix}",
-        )
-    else:
-        require(
-            m.num_kv_heads == m.num_heads,
-            f"model.attention='pallas' has no grouped-query attention (model.num_kv_heads={m.num_kv_heads} < "
-            f"model.num_heads={m.num_heads}); use model.attention='cudnn' {fix}",
-        )
-        require(
-            cfg.train.seq_len % 128 == 0,
-            f"model.attention='pallas' works in blocks of 128 positions and train.seq_len={cfg.train.seq_len} "
-            f"is not a multiple of 128; use a multiple of 128 {fix}",
-        )
-
-
-def validate(cfg: RunConfig, num_devices: int, backend: str | None = None) -> tuple[int, ...]:
-    """What a training run needs of its devices, checked before any work; returns the resolved
-    mesh shape. With `backend` (JAX's, e.g. 'gpu'), also whether it can run the chosen kernels."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    _validate_attention(cfg, backend)
-    require(
-        m.quantize is None,
-        f"model.quantize={m.quantize!r} holds int8 weights, which serve but do not train; train in full "
-        "precision and serve with --quantize int8 (or export with --quantize int8)",
-    )
-    require(
-        cfg.data.tokenizer != "bpe" or cfg.data.bpe_vocab_size <= m.vocab_size,
-        f"data.bpe_vocab_size={cfg.data.bpe_vocab_size} exceeds model.vocab_size={m.vocab_size}: the trained "
-        f"tokenizer's ids must fit the embedding; set model.vocab_size={cfg.data.bpe_vocab_size} or a smaller "
-        "data.bpe_vocab_size",
-    )
-    require(
-        t.seq_len <= m.max_seq_len,
-        f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
-        "lower train.seq_len or raise model.max_seq_len",
-    )
-    shape = p.mesh_shape(num_devices)
-    data, fsdp, stage, tensor = shape
-    validate_tensor(m, tensor, "parallel.tensor")
-    require(
-        m.hidden % fsdp == 0,
-        f"model.hidden={m.hidden} is not divisible by parallel.fsdp={fsdp}; choose an fsdp size that divides it",
-    )
-    per_step = data * fsdp * t.grad_accum_steps * p.microbatches
-    require(
-        t.batch_size % per_step == 0,
-        f"train.batch_size={t.batch_size} is not divisible by data*fsdp*grad_accum_steps*microbatches="
-        f"{data}*{fsdp}*{t.grad_accum_steps}*{p.microbatches}={per_step}; use a multiple of {per_step}",
-    )
-    if p.sequence_parallel:
-        split, why = tensor * stage, f"parallel.tensor×stage={tensor}×{stage}: sequence parallelism splits it"
-    else:
-        split, why = stage, f"parallel.stage={stage}: the head and loss after a pipeline split it over the stages"
-    require(t.seq_len % split == 0, f"train.seq_len={t.seq_len} is not divisible by {why}; use a multiple of {split}")
-    return shape
