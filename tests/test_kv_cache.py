@@ -48,8 +48,8 @@ def test_cached_decoding_equals_full_recompute(tensor):
         # Prompts padded to one length: what the padding writes past a prompt is never attended
         # to, and each decode step overwrites its own position before it attends.
         rows = [prefill(params, jnp.asarray([t + [0] * (PADDED - len(t))])) for t in tokens]
-        cache = KVCache(*(jnp.concatenate(parts, axis=2) for parts in zip(*(c for _, c in rows), strict=True)))
-        cache = jax.device_put(cache, _cache_sharding(mesh))
+        pools = (jnp.concatenate(parts, axis=1) for parts in zip(*(c[:2] for _, c in rows), strict=True))
+        cache = KVCache(*jax.device_put(tuple(pools), _cache_sharding(mesh)), jnp.arange(ROWS)[:, None])
         last = jnp.stack([logits[0, len(t) - 1] for (logits, _), t in zip(rows, tokens, strict=True)])
         decode = jax.jit(lambda p, t, pos, c: Model(model).decode_step(p, t, pos, c), donate_argnums=3)
         for step in range(STEPS):

@@ -45,20 +45,17 @@ def _run(engine, generations):
 
 
 def _poison_prefill(engine, monkeypatch, delay: float = 0.0):
-    """The compiled prefills raise for prompts that start with POISON (after `delay` seconds for
+    """Preparing a prefill raises for prompts that start with POISON (after `delay` seconds for
     all prompts, if given)."""
+    real = engine._prefill_row
 
-    def poisoned(real):
-        def prefill(params, tokens, length):
-            time.sleep(delay)
-            if int(tokens[0]) == POISON:
-                raise RuntimeError("prefill broke")
-            return real(params, tokens, length)
+    def prefill_row(chunk):
+        time.sleep(delay)
+        if chunk.sequence.prompt[0] == POISON:
+            raise RuntimeError("prefill broke")
+        return real(chunk)
 
-        return prefill
-
-    for bucket, real in list(engine._prefill.items()):
-        monkeypatch.setitem(engine._prefill, bucket, poisoned(real))
+    monkeypatch.setattr(engine, "_prefill_row", prefill_row)
 
 
 def _slow_steps(engine, monkeypatch, seconds: float):
@@ -119,27 +116,31 @@ def test_whatever_serving_a_request_raises_ends_it_alone(engine, monkeypatch, ca
 
 
 def test_failed_decode_steps_restart_the_engine_until_too_many_fail_in_a_row(trained, monkeypatch):
-    """A failed device step ends the busy requests, which lost their cache, and the engine
-    rebuilds its decode state: the request that waited is then served as it is alone. More
+    """A failed device step (decode or prefill) ends the running requests, which lost their
+    cache, and the engine rebuilds it: the request that waited is then served as it is alone. More
     failed steps in a row than serve.max_engine_restarts stop the engine: every request ends
     with the error, new ones are refused, and over HTTP /health is 503."""
     engine = load_engine(trained[0], {**SETTINGS, "serve.max_engine_restarts": 1})
     waiting_alone = _run(engine, [engine.submit(_greedy([6, 7]))])[0].choices()[0].tokens
-    real, failures = engine.decode_step, []
+    failures = []
 
-    def flaky(*args):
-        if failures:
-            raise failures.pop(0)
-        return real(*args)
+    def flaky(real):
+        def step(*args):
+            if failures:
+                raise failures.pop(0)
+            return real(*args)
 
-    monkeypatch.setattr(engine, "decode_step", flaky)
+        return step
+
+    for step in ("decode_step", "prefill_step"):
+        monkeypatch.setattr(engine, step, flaky(getattr(engine, step)))
     running = [engine.submit(_greedy([5], 30)) for _ in range(SLOTS)]
     waiting = engine.submit(_greedy([6, 7]))
-    engine.step()  # all four running, one waiting
+    engine.step()  # all four prefilled, one waiting
     failures.append(RuntimeError("device hiccup"))
     engine.step()
     for g in running:
-        with pytest.raises(RequestFailed, match=rf"request {g.id} was lost when a decode step failed \(RuntimeError"):
+        with pytest.raises(RequestFailed, match=rf"request {g.id} was lost when a device step failed \(RuntimeError"):
             g.choices(timeout=0)
     assert engine.restarts == 1 and engine.failure is None
     _run(engine, [])
@@ -147,9 +148,9 @@ def test_failed_decode_steps_restart_the_engine_until_too_many_fail_in_a_row(tra
 
     running, waiting = engine.submit(_greedy([5], 30, n=SLOTS)), engine.submit(_greedy([6]))
     failures += [RuntimeError("device lost")] * 2
-    engine.step()
+    engine.step()  # the first choice's prefill fails
     with pytest.raises(RuntimeError, match="device lost"):
-        engine.step()  # one restart allowed, then the second failure in a row stops the engine
+        engine.step()  # one restart allowed, then the second failure in a row (the waiting one's) stops the engine
     assert isinstance(running.error, RequestFailed)
     with pytest.raises(Unavailable, match="the engine has stopped: RuntimeError.'device lost'"):
         waiting.choices(timeout=0)

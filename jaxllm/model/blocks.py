@@ -18,7 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.config import ModelConfig
 from jaxllm.model import layers
-from jaxllm.model.cache import LAYER_AXES
+from jaxllm.model.cache import AXES
 from jaxllm.model.dense import dense_weight, projections
 from jaxllm.model.params import declare, params_of, value_axes
 from jaxllm.parallel.rules import constrain
@@ -63,17 +63,18 @@ class Attention(nnx.Module):
         self.v = dense_weight(model, stack, (h, kv, hd), ("embed", "kv_heads", "head_dim"), 1, std)
 
     def __call__(self, x: jax.Array, o_proj: nnx.Param | nnx.Module, ctx: layers.Context, cached=None):
-        """The attention block's output; with `cached` (a layer's keys and values from a
-        `KVCache`), (output, new keys, new values) instead."""
+        """The attention block's output; with `cached` (a `KVCache` and the layer's index in it),
+        (output, keys, values): the cache's pools with this layer's new entries written."""
         project = self.project
         if cached is not None:
-            new = ("batch", None, "kv_heads", "head_dim")
+            cache, layer = cached
             attend = tensor_parallel(
-                partial(layers.cached_attention, project=project),
-                value_axes(self), value_axes(o_proj), (ROPE_AXES,) * 2, LAYER_AXES, LAYER_AXES, ("batch", None),
-                kept_axes=(new, new),
+                partial(layers.cached_attention, project=project, implementation=self.implementation),
+                value_axes(self), value_axes(o_proj), (ROPE_AXES,) * 2, AXES, AXES, (), ("batch", None),
+                ("batch", None), kept_axes=(AXES, AXES), split_batch=False,
             )  # fmt: skip
-            return attend(x, params_of(self), params_of(o_proj), ctx.rope, *cached, ctx.positions)
+            rope, args = ctx.rope, (cache.keys, cache.values, layer, cache.table, ctx.positions)
+            return attend(x, params_of(self), params_of(o_proj), rope, *args)
         attention = partial(layers.attention, implementation=self.implementation, project=project)
         segments = () if ctx.segment_ids is None else ("batch", "seq")
         attend = tensor_parallel(attention, value_axes(self), value_axes(o_proj), (ROPE_AXES,) * 2, segments)
@@ -110,7 +111,7 @@ class DecoderLayer(nnx.Module):
         self.mlp = FeedForward(model, stack)
 
     def __call__(self, x: jax.Array, qkv: Attention, ctx: layers.Context, cached=None):
-        """The layer's output; with `cached` (see `Attention`), (output, (new keys, new values))."""
+        """The layer's output; with `cached` (see `Attention`), (output, (keys, values))."""
         x = checkpoint_name(x, "layer_input")
         attended = qkv(self.attn_norm(x), self.o_proj, ctx, cached)
         out, new = (attended[0], attended[1:]) if cached is not None else (attended, None)

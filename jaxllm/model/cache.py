@@ -1,9 +1,16 @@
-"""The KV cache of a decoder generating for `slots` sequences at once. Layers of a group share
-their QKV weights but apply them to different inputs, so each layer has its own keys and values:
-[groups, qkv_share_every, slots, kv_heads, max_len, head_dim] each (kv heads before positions,
-so attention's matmuls read a layer's slice without transposing it). The decoder carries the cache
-through its scan over the layers and writes only the new positions, so a caller that donates it
-updates it in place.
+"""The KV cache as pages: one pool of fixed-size pages per layer for keys and one for values,
+[layers, pages, kv_heads, page_size, head_dim] each (a page holds its positions for every kv head
+side by side, so reading a page is one contiguous copy; kv heads split over `tensor`), and a page
+table [batch, pages per sequence] saying which pages hold each sequence's positions, in
+order: position p of row b lives at page `table[b, p // page_size]`, offset `p % page_size`.
+Layers of a group share their QKV weights but apply them to different inputs, so each layer has
+its own keys and values.
+
+A serving engine keeps one pool for all its sequences and hands each step the table of the rows
+it runs; `KVCache.empty` is the contiguous special case, one page of `max_len` per
+row. New entries are scattered into the pool where their pages say and attention gathers only the
+pages the table names, so a step's cost follows the table's width, never the pool's size. A
+position of -1 (a padding token) writes to page 0, which a paged pool keeps as scratch.
 
 An int8 cache (`Int8`) holds each token's key (and value) per head as int8 with one fp32 scale,
 `max|k| / 127` over head_dim: half a bf16 cache's bytes plus 4 per token and head. Entries are
@@ -20,8 +27,8 @@ import jax.numpy as jnp
 from jaxllm.config import ModelConfig
 from jaxllm.model.int8 import symmetric_int8
 
-AXES = ("layers", "sublayers", "batch", "kv_heads", None, "head_dim")  # logical axes of keys and values
-LAYER_AXES = AXES[2:]  # one layer's: [slots, kv_heads, max_len, head_dim]
+AXES = (None, None, "kv_heads", None, "head_dim")  # logical axes of a pool of keys or values
+SCRATCH_PAGE = 0  # where padding tokens write; a paged pool never hands it to a sequence
 
 
 class Int8(NamedTuple):
@@ -41,47 +48,49 @@ def encode(new: jax.Array, like: Entries) -> Entries:
     return new.astype(like.dtype)
 
 
+def _pool(model: ModelConfig, pages: int, page_size: int, dtype) -> Entries:
+    shape = (model.num_layers, pages, model.num_kv_heads, page_size, model.head_dim)
+    if jnp.dtype(dtype or model.dtype) == jnp.int8:
+        return Int8(jnp.zeros(shape, jnp.int8), jnp.zeros((*shape[:-1], 1), jnp.float32))
+    return jnp.zeros(shape, dtype or model.dtype)
+
+
 class KVCache(NamedTuple):
-    keys: Entries
+    keys: Entries  # [layers, pages, kv_heads, page_size, head_dim]
     values: Entries
+    table: jax.Array  # [batch, pages per sequence] int32
 
     @classmethod
     def empty(cls, model: ModelConfig, slots: int, max_len: int, dtype=None) -> KVCache:
-        """Zeros in `dtype` (default: the model's compute dtype; 'int8': `Int8` entries)."""
-        s = model
-        shape = (s.groups, model.qkv_share_every, slots, s.num_kv_heads, max_len, s.head_dim)
+        """Zeros for `slots` rows of `max_len` positions, one page per row, in `dtype` (default:
+        the model's compute dtype; 'int8': `Int8` entries)."""
+        table = jnp.arange(slots, dtype=jnp.int32)[:, None]
+        return cls(_pool(model, slots, max_len, dtype), _pool(model, slots, max_len, dtype), table)
 
-        def zeros() -> Entries:
-            if jnp.dtype(dtype or model.dtype) == jnp.int8:
-                return Int8(jnp.zeros(shape, jnp.int8), jnp.zeros((*shape[:-1], 1), jnp.float32))
-            return jnp.zeros(shape, dtype or model.dtype)
+    @classmethod
+    def paged(cls, model: ModelConfig, pages: int, page_size: int, dtype=None) -> KVCache:
+        """A pool of `pages` pages of `page_size` positions (page 0 the scratch page), with an
+        empty table: each step gets its rows' table."""
+        empty = jnp.zeros((0, 1), jnp.int32)
+        return cls(_pool(model, pages, page_size, dtype), _pool(model, pages, page_size, dtype), empty)
 
-        return cls(zeros(), zeros())
 
-    @property
-    def max_len(self) -> int:
-        return jax.tree.leaves(self.keys)[0].shape[4]
+def write(pool: Entries, new: Entries, layer: jax.Array, table: jax.Array, positions: jax.Array) -> Entries:
+    """`pool` with `new` [b, t, kv_heads, d] written at `positions` [b, t] of each row's pages
+    (-1: the scratch page): a scatter of those entries alone, in place when the pool is donated."""
+    page_size = jax.tree.leaves(pool)[0].shape[3]
+    at = jnp.take_along_axis(table, jnp.maximum(positions, 0) // page_size, axis=1, mode="clip")
+    page, offset = jnp.where(positions >= 0, at, SCRATCH_PAGE), positions % page_size
+    return jax.tree.map(lambda p, n: p.at[layer, page, :, offset].set(n.astype(p.dtype)), pool, new)
 
-    def layer(self, group: jax.Array, index: int) -> tuple[Entries, Entries]:
-        """One layer's keys and values: [slots, kv_heads, max_len, head_dim] each."""
-        return jax.tree.map(lambda a: a[group, index], (self.keys, self.values))
 
-    def store(self, group: jax.Array, index: int, keys: Entries, values: Entries, positions: jax.Array):
-        """The cache with one layer's new keys and values [slots, t, kv_heads, head_dim] written at
-        `positions` [slots, t] (consecutive per row): a scatter of those entries alone, batched over the
-        slots so each row is written where it lives, never a rewrite of the layer's slice."""
-        starts = positions[:, :1]
-        where = jnp.concatenate([jnp.full_like(starts, group), jnp.full_like(starts, index), starts], axis=1)
-        dims = jax.lax.ScatterDimensionNumbers(
-            update_window_dims=(1, 2, 3),  # [kv_heads, t, head_dim] of each slot's update
-            inserted_window_dims=(0, 1),  # group, layer
-            scatter_dims_to_operand_dims=(0, 1, 4),  # (group, layer, position)
-            operand_batching_dims=(2,),  # slots
-            scatter_indices_batching_dims=(0,),
-        )
+def read(pool: Entries, layer: jax.Array, table: jax.Array) -> Entries:
+    """One layer's pages named by `table` [b, P], as each row's positions in order: [b, kv_heads,
+    P × page_size, d] (a gather of those pages alone)."""
 
-        def write(cache, new):
-            new = new.swapaxes(1, 2).astype(cache.dtype)  # [slots, kv_heads, t, head_dim]
-            return jax.lax.scatter(cache, where, new, dims, indices_are_sorted=True)
+    def rows(p):
+        pages = jnp.take(p[layer], table, axis=0)  # [b, P, kv_heads, page_size, d]
+        b, width, kv_heads, page_size, d = pages.shape
+        return pages.swapaxes(1, 2).reshape(b, kv_heads, width * page_size, d)
 
-        return KVCache(*jax.tree.map(write, (self.keys, self.values), (keys, values)))
+    return jax.tree.map(rows, pool)

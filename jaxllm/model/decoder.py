@@ -85,22 +85,23 @@ class LayerGroup(nnx.Module):
 
 def scan_layers(graph: nnx.GraphDef, groups: Params, x: jax.Array, ctx: layers.Context, cache: KVCache):
     """Applies stacked groups with a KV cache (generation) as one scan over every layer, carrying
-    the cache: (output, cache). Each step reads its layer's weights where they lie; a slice of a
-    group's stack, as training takes, would copy them at every memory-bound decode step."""
+    the cache's pools: (output, cache). Each step reads its layer's weights where they lie; a slice
+    of a group's stack, as training takes, would copy them at every memory-bound decode step."""
     stacked = nnx.merge(graph, groups)  # a LayerGroup whose arrays keep their leading group dim
     qkv_graph, layer_graph = nnx.graphdef(stacked.qkv), nnx.graphdef(stacked.layers)
     qkv, share = params_of(stacked.qkv), stacked.size
     every_layer = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), params_of(stacked.layers))
 
     def step(carry, xs):
-        (x, cache), (params, index) = carry, xs
-        group, i = index // share, index % share
-        attention = nnx.merge(qkv_graph, jax.tree.map(lambda a: a[group], qkv))
-        x, (keys, values) = nnx.merge(layer_graph, params)(x, attention, ctx, cache.layer(group, i))
-        return (x, cache.store(group, i, keys, values, ctx.positions)), None
+        (x, pools), (params, index) = carry, xs
+        attention = nnx.merge(qkv_graph, jax.tree.map(lambda a: a[index // share], qkv))
+        layer_cache = cache._replace(keys=pools[0], values=pools[1])
+        x, pools = nnx.merge(layer_graph, params)(x, attention, ctx, (layer_cache, index))
+        return (x, pools), None
 
     count = jax.tree.leaves(every_layer)[0].shape[0]
-    return jax.lax.scan(step, (x, cache), (every_layer, jnp.arange(count)))[0]
+    (x, (keys, values)), _ = jax.lax.scan(step, (x, (cache.keys, cache.values)), (every_layer, jnp.arange(count)))
+    return x, cache._replace(keys=keys, values=values)
 
 
 def scan_groups(graph: nnx.GraphDef, remat: str, groups: Params, x: jax.Array, ctx: layers.Context) -> jax.Array:
@@ -147,10 +148,10 @@ class Decoder(nnx.Module):
     def extend(
         self, tokens: jax.Array, positions: jax.Array | None, cache: KVCache, logits_at: jax.Array | None = None
     ) -> tuple[jax.Array, KVCache]:
-        """With a KV cache (one row per batch row): the tokens sit at `positions` (consecutive per
-        row; 0, 1, ... by default) after what the cache holds, their keys and values are written
-        into it; (logits, cache). With `logits_at` [batch], only the logits at that index of each
-        row: [batch, 1, padded_vocab]."""
+        """With a KV cache (one page table row per batch row): the tokens sit at `positions`
+        (consecutive per row, -1 for padding; 0, 1, ... by default) after what the cache holds,
+        their keys and values are written into its pages; (logits, cache). With `logits_at`
+        [batch], only the logits at that index of each row: [batch, 1, padded_vocab]."""
         if self.schedule is not None:
             raise ValueError("a KV cache needs the plain stack: load the params without a pipeline schedule")
         x, ctx = self._embed(tokens, None, positions)
@@ -247,17 +248,29 @@ class Model:
         schedule, params hold the groups in its view, and `copies` may hold their `stage_copies`."""
         return self.bind(params)(tokens, segment_ids, positions, copies)
 
+    def extend(
+        self,
+        params: Params,
+        tokens: jax.Array,
+        positions: jax.Array | None,
+        cache: KVCache,
+        logits_at: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache]:
+        """`tokens` [batch, t] at `positions` (-1: padding; None: 0, 1, ...) into the cache's pages
+        after what they hold: (logits, cache); see `Decoder.extend`."""
+        return self.bind(params).extend(tokens, positions, cache, logits_at)
+
     def prefill(
         self, params: Params, tokens: jax.Array, cache: KVCache, logits_at: jax.Array | None = None
     ) -> tuple[jax.Array, KVCache]:
-        """A prompt into an empty cache, from position 0: (logits, cache); see `Decoder.extend`."""
-        return self.bind(params).extend(tokens, None, cache, logits_at)
+        """A prompt into an empty cache, from position 0: (logits, cache)."""
+        return self.extend(params, tokens, None, cache, logits_at)
 
     def decode_step(
         self, params: Params, tokens: jax.Array, positions: jax.Array, cache: KVCache
     ) -> tuple[jax.Array, KVCache]:
         """One token per row, at `positions` [batch, 1], after what the cache holds: (logits, cache)."""
-        return self.bind(params).extend(tokens, positions, cache)
+        return self.extend(params, tokens, positions, cache)
 
     def stage_copies(self, params: Params) -> Params | None:
         """What a pipeline's loop computes with: its stage weights in the compute dtype, gathered

@@ -9,6 +9,7 @@ fused two run on GPUs; config validation says which shapes each takes.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import NamedTuple
 
@@ -16,9 +17,10 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.pallas.ops.gpu.attention import mha
+from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
 from jaxllm.config import RopeScaling
-from jaxllm.model.cache import Entries, Int8, encode
+from jaxllm.model.cache import Entries, Int8, encode, read, write
 from jaxllm.model.dense import Project, einsum_projections
 from jaxllm.parallel.rules import manual_spec
 
@@ -103,7 +105,7 @@ def document_mask(segment_ids: jax.Array | None, length: int) -> jax.Array:
 def attend(q: jax.Array, k: Entries, v: Entries, mask: jax.Array, kv_layout: str = "bskd") -> jax.Array:
     """Grouped-query attention as einsums under an explicit mask (keys of any length).
     q: [b, t, heads, d]; k, v: [b, s, kv_heads, d], or [b, kv_heads, s, d] with `kv_layout`
-    "bksd" (a KV cache's, whose entries may be `Int8`); mask: [b, 1, t, s]. Softmax in fp32."""
+    "bksd" (a KV cache's read, whose entries may be `Int8`); mask: [b, 1, t, s]. Softmax in fp32."""
     b, t, nh, d = q.shape
     (k, k_scale), (v, v_scale) = _cached(k, q.dtype), _cached(v, q.dtype)
     kv = k.shape[kv_layout.index("k")]
@@ -117,7 +119,8 @@ def attend(q: jax.Array, k: Entries, v: Entries, mask: jax.Array, kv_layout: str
 
 def _cached(entries: Entries, dtype) -> tuple[jax.Array, jax.Array | float]:
     """(entries in `dtype`, the scale of each position's scores [b, kv_heads, 1, 1, s], or 1): an
-    int8 key's scale multiplies its scores, an int8 value's its probabilities."""
+    int8 key's scale (of a cache's read, [b, kv_heads, s, 1]) multiplies its scores, an int8
+    value's its probabilities."""
     if isinstance(entries, Int8):
         return entries.q.astype(dtype), jnp.swapaxes(entries.scale, -1, -2)[:, :, None]
     return entries.astype(dtype), 1.0
@@ -184,12 +187,43 @@ def attention(
     return project(ctx, (o_proj,), "bthd,hde->bte")[0]
 
 
-def _write_positions(cache: Entries, new: Entries, start: jax.Array) -> Entries:
-    """A layer's `cache` [b, kv_heads, S, d] with row r's `new` [b, t, kv_heads, d] written at
-    positions start[r]..start[r]+t-1."""
-    write = partial(jax.lax.dynamic_update_slice_in_dim, axis=1)
-    rows = jax.vmap(lambda c, n, s: write(c, n.swapaxes(0, 1).astype(c.dtype), s))
-    return jax.tree.map(lambda c, n: rows(c, n, start), cache, new)
+def paged_decode_attention(
+    q: jax.Array,
+    keys: Entries,
+    values: Entries,
+    layer: jax.Array,
+    table: jax.Array,
+    positions: jax.Array,
+    interpret: bool = False,
+) -> jax.Array:
+    """One new token per row (q [b, 1, heads, d] at `positions` [b, 1]) over a layer's pages in
+    the pools (see `cache`) by JAX's Pallas paged-attention kernel, which reads each row's live
+    pages only. The kernel wants [kv heads, pages, page, d]; a pool page holds every kv head side
+    by side, so each kv head runs alone over the pool seen as [1, layers × pages × kv heads, page,
+    d]. A GPU kernel: `interpret` runs it in the Pallas interpreter (any backend)."""
+    layers, pages, kv_heads, page_size, d = jax.tree.leaves(keys)[0].shape
+    b, _, heads, _ = q.shape
+    split = math.gcd(table.shape[1], 16)
+    flat = partial(jax.tree.map, lambda p: p.reshape(1, layers * pages * kv_heads, page_size, *p.shape[4:]))
+    (k, k_scale), (v, v_scale) = (_kernel_pages(flat(e)) for e in (keys, values))
+    kernel = partial(
+        paged_attention, k_pages=k, v_pages=v, lengths=positions[:, 0] + 1, k_scales_pages=k_scale,
+        v_scales_pages=v_scale, k_splits=split, pages_per_compute_block=math.gcd(table.shape[1] // split, 8),
+        interpret=interpret,
+    )  # fmt: skip
+
+    def head(q, h):  # q [b, heads per kv head, d] of kv head h
+        return kernel(q, block_tables=(layer * pages + table) * kv_heads + h)
+
+    grouped = q[:, 0].reshape(b, kv_heads, heads // kv_heads, d) * d**-0.5
+    out = jax.vmap(head, in_axes=(1, 0), out_axes=1)(grouped, jnp.arange(kv_heads))
+    return out.reshape(b, 1, heads, d)
+
+
+def _kernel_pages(entries: Entries) -> tuple[jax.Array, jax.Array | None]:
+    if isinstance(entries, Int8):
+        return entries.q, entries.scale[..., 0]
+    return entries, None
 
 
 def cached_attention(
@@ -199,24 +233,27 @@ def cached_attention(
     rope: tuple[jax.Array, jax.Array],
     keys: Entries,
     values: Entries,
+    layer: jax.Array,
+    table: jax.Array,
     positions: jax.Array,
     project: Project = einsum_projections,
+    implementation: str = "xla",
 ) -> tuple[jax.Array, Entries, Entries]:
-    """Attention of new tokens at `positions` [b, t] (consecutive per row) over a layer's cached
-    keys and values [b, kv_heads, max_len, d] (that order lets both matmuls read them without a
-    transpose) with theirs written in: (output, their keys, their values), the last two for the
-    caller to store."""
+    """Attention of new tokens at `positions` [b, t] (consecutive per row; -1: padding) over the
+    pages `table` [b, P] names in `layer` of the pools (see `cache`), with their own keys and
+    values written in first: (output, keys, values). The XLA path gathers the table's pages (the
+    longest row's, padded); `implementation` 'pallas' runs single-token steps through the paged
+    kernel instead."""
     q, k, v = _project_qkv(x, qkv, rope, project)
-    keys = _write_positions(keys, encode(k, keys), positions[:, 0])
-    values = _write_positions(values, encode(v, values), positions[:, 0])
-    causal = jnp.arange(jax.tree.leaves(keys)[0].shape[2])[None, None] <= positions[:, :, None]  # [b, t, max_len]
-    ctx = attend(q, keys, values, causal[:, None], kv_layout="bksd")
+    keys, values = (write(pool, encode(new, pool), layer, table, positions) for pool, new in ((keys, k), (values, v)))
+    if implementation == "pallas" and q.shape[1] == 1:
+        ctx = paged_decode_attention(q, keys, values, layer, table, positions)
+    else:
+        k_pages, v_pages = read(keys, layer, table), read(values, layer, table)  # [b, kv, P × page, d]
+        causal = jnp.arange(jax.tree.leaves(k_pages)[0].shape[2])[None, None] <= positions[:, :, None]
+        ctx = attend(q, k_pages, v_pages, causal[:, None], kv_layout="bksd")
     (out,) = project(ctx, (o_proj,), "bthd,hde->bte")
-    # The new entries are handed back as read from the updated slice, not as projected: the
-    # caller's write into the whole cache then depends on this read of it, so the compiler can
-    # write in place instead of copying the cache to keep the read safe.
-    written = jax.vmap(lambda c, p: c[:, p].swapaxes(0, 1))  # [kv, t, d] → [t, kv, d]
-    return out, *(jax.tree.map(lambda c: written(c, positions), entries) for entries in (keys, values))
+    return out, keys, values
 
 
 def feed_forward(x: jax.Array, p: dict, activation: str, project: Project = einsum_projections) -> jax.Array:

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class Sampling(NamedTuple):
@@ -25,13 +26,13 @@ class Sampling(NamedTuple):
 
     @classmethod
     def one(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, choice: int = 0):
-        """Settings for a single slot."""
+        """Settings for a single slot (host arrays: out-of-range values raise here, on the host)."""
         return cls(
-            jnp.array([temperature], jnp.float32),
-            jnp.array([top_k], jnp.int32),
-            jnp.array([top_p], jnp.float32),
-            jnp.array([seed], jnp.uint32),
-            jnp.array([choice], jnp.int32),
+            np.array([temperature], np.float32),
+            np.array([top_k], np.int32),
+            np.array([top_p], np.float32),
+            np.array([seed], np.uint32),
+            np.array([choice], np.int32),
         )
 
 

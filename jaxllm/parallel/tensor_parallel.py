@@ -17,7 +17,7 @@ RESIDUAL = ("batch", "act_seq", "act_embed")  # logical axes of a block's input 
 TENSOR = frozenset({"tensor"})
 
 
-def tensor_parallel(fn: Callable, *arg_axes: Any, kept_axes: tuple = ()) -> Callable:
+def tensor_parallel(fn: Callable, *arg_axes: Any, kept_axes: tuple = (), split_batch: bool = True) -> Callable:
     """`fn(x, *args)` on this device's `tensor` shard, its partial outputs all-reduced; with
     sequence parallelism, `x` comes split along the sequence and is all-gathered first, and the
     outputs are reduce-scattered back along it (the same bytes as one all-reduce).
@@ -25,7 +25,8 @@ def tensor_parallel(fn: Callable, *arg_axes: Any, kept_axes: tuple = ()) -> Call
     `x` is the residual stream ([batch, seq, embed]); `arg_axes` gives, per further argument, the
     logical axis names of each array (a pytree of tuples; `()` for a replicated argument). With
     `kept_axes`, `fn` returns (output, *kept): only the output is summed, each kept array stays
-    on its shard and is named by its entry (a KV cache's new keys stay split by kv heads). Built
+    on its shard and is named by its entry (a KV cache's pools stay split by kv heads). A region
+    whose rows share state (a paged KV cache's pool) keeps them whole with `split_batch=False`. Built
     per trace, as shard_map binds the mesh in context at its first call. Inside a region already
     manual over `tensor` (the pipeline) it needs no shard_map; without a mesh or without tensor
     parallelism `fn` runs as is.
@@ -53,7 +54,7 @@ def tensor_parallel(fn: Callable, *arg_axes: Any, kept_axes: tuple = ()) -> Call
     rules = active_rules()
 
     def call(x, *args):
-        batch = tuple(a for a in as_tuple(rules["batch"]) if mesh.shape[a] > 1)
+        batch = tuple(a for a in as_tuple(rules["batch"]) if mesh.shape[a] > 1 and split_batch)
         batch = batch if x.shape[0] % math.prod(mesh.shape[a] for a in batch) == 0 else ()
         by_hand = TENSOR | frozenset(batch)
 

@@ -112,6 +112,10 @@ def create_app(server: Server) -> FastAPI:
             metrics.queue_depth.set(engine.queued())
             metrics.active_slots.set(engine.active_slots())
             metrics.kv_cache_usage.set(engine.cache_usage())
+            metrics.kv_pages_cached.set(engine.pool.cached())
+            metrics.prefix_cache_hits.set(engine.scheduler.prefix_hits)
+            metrics.prefix_cache_misses.set(engine.scheduler.prefix_misses)
+            metrics.preemptions.set(engine.scheduler.preemptions)
             metrics.engine_restarts.set(engine.restarts)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

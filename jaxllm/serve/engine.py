@@ -1,24 +1,26 @@
-"""The serving engine: requests in, tokens and text out, decoded together in a fixed set of slots.
+"""The serving engine: requests in, tokens and text out, over a paged KV cache.
 
-Every device step is compiled when the engine starts (a prefill and an insert per prompt bucket,
-one decode step), so no request waits for a compile. `step()` admits waiting requests into free
-slots (one prefill per request, inserted into `n` slots for `n` choices), then advances every
-busy slot by one token (one decode step computes all slots, busy or not). A choice leaves its
-slot as soon as it finishes, and the next request takes it at the next step. `serve_forever()`
-steps in a thread of its own while other threads (or an event loop) submit and read.
+Each `step()` plans with the `Scheduler` (a token for every decoding sequence, admissions by free
+pages, a chunk batch of prefill work), dispatches a decode step and a prefill step for it, and
+only then reads back the previous step's tokens and streams them (text, stop strings,
+log-probs): the device runs the new step while the host does that work. A sequence that ended
+in the step just read costs one discarded token in the step already dispatched. Every device
+step, each bucket of rows, table width and chunk length (see `steps.Buckets`), is compiled when
+the engine starts, so no request waits for a compile. `serve_forever()` steps in a thread of
+its own while other threads (or an event loop) submit and read.
 
-A request can fail only itself: whatever serving one request raises (its admission, prefill,
-sampling settings, stop strings or text) ends that request alone, and a request past its
-deadline (`serve.request_timeout_s`) ends with an error and frees its slots. Only a failed
-decode step, which every busy slot shares, ends the busy requests: the engine then rebuilds its
-decode state and serves on, up to `serve.max_engine_restarts` failed steps in a row.
+A request can fail only itself: whatever serving one request raises (its admission, sampling
+settings, stop strings or text) ends that request alone, and a request past its deadline
+(`serve.request_timeout_s`) ends with an error and frees its pages. Only a failed device step,
+which every running sequence shares, ends the running requests: the engine then rebuilds its
+cache and serves on, up to `serve.max_engine_restarts` failed steps in a row.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -26,30 +28,34 @@ from collections.abc import Callable, Iterator
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.data.tokenizer import Tokenizer
-from jaxllm.model.cache import AXES
+from jaxllm.model.cache import AXES, SCRATCH_PAGE, KVCache
 from jaxllm.model.decoder import Model
 from jaxllm.model.sampling import Sampling
 from jaxllm.parallel.rules import logical_spec
-from jaxllm.serve.generation import (
-    Generation,
-    Limits,
-    Logprob,
-    Request,
-    RequestError,
-    RequestFailed,
-    Unavailable,
-)
+from jaxllm.serve.generation import Generation, Limits, Logprob, Request, RequestError, RequestFailed, Unavailable
 from jaxllm.serve.guards import prompt_perplexity
+from jaxllm.serve.pages import PagePool
+from jaxllm.serve.scheduler import Chunk, Scheduler, Sequence, State
 from jaxllm.serve.settings import Serving
-from jaxllm.serve.steps import DecodeState, Prefix, Tokens, bucket_for, decode, insert, prefill, prompt_buckets
+from jaxllm.serve.steps import Buckets, Slots, Tokens, decode, prefill
 
 log = logging.getLogger("jaxllm.serve")
+
+
+@dataclasses.dataclass
+class Dispatched:
+    """A step on its way: its outputs (device arrays), the rows that draw a token, and (from a
+    prefill that scores prompts) the rows whose prompt tokens it scored."""
+
+    tokens: Tokens
+    draws: list[tuple[int, Sequence, int]]  # (row, sequence, index of the output token drawn)
+    scored: list[tuple[int, Chunk]] = dataclasses.field(default_factory=list)
+    prompt: Tokens | None = None
 
 
 class Engine:
@@ -62,45 +68,65 @@ class Engine:
         self.model = Model(serving.model)  # built once: every step below binds its graph to the params
         self.limits = Limits.of(serving, tokenizer)
         self.slots, self.max_len, self.vocab_size = s.slots, s.max_len, self.limits.vocab_size
-        self.buckets = prompt_buckets(s.max_prompt_tokens, s.max_len)
-        self._waiting: collections.deque[Generation] = collections.deque()
+        self.buckets = Buckets.of(s.slots, s.max_len, s.page_size, s.prefill_chunk)
+        salt = f"{serving.model}|{s.dtype}|{s.kv_dtype}"  # pages are shared only within one model and dtype
+        self.pool = PagePool(s.kv_pages, s.page_size, salt, s.prefix_cache)
+        self.scheduler = Scheduler(self.pool, s.slots, self.buckets)
+        self._incoming: list[Generation] = []  # submitted, not yet seen by the engine thread
+        self._sequences: dict[Generation, list[Sequence]] = {}
+        self._dispatched: list[Dispatched] = []  # steps whose tokens the host has not read yet
         self._lock = threading.Lock()
         self._wake = threading.Event()  # set by submit, for serve_forever
-        self._free = list(range(s.slots))[::-1]
-        self._active: dict[int, tuple[Generation, int]] = {}  # slot → (request, choice)
+        self._queued = 0  # requests none of whose choices has started
         self.failure: BaseException | None = None  # why the engine stopped, if it did
-        self.restarts = 0  # decode states rebuilt after a failed step
+        self.restarts = 0  # caches rebuilt after a failed step
         self._failed_in_a_row = 0
         with jax.set_mesh(mesh):
-            cache = NamedSharding(mesh, logical_spec(AXES))  # an int8 cache's scales too (their head_dim is 1)
-            replicated = NamedSharding(mesh, P())
-            state = DecodeState.empty(serving.model, s.slots, s.max_len, s.kv_dtype)
-            self._shardings = DecodeState(
-                jax.tree.map(lambda _: cache, state.cache), *(jax.tree.map(lambda _: replicated, state[1:]))
-            )
-            self.state = jax.device_put(state, self._shardings)
-            self._compile(self.model, self._shardings)
+            pool = NamedSharding(mesh, logical_spec(AXES))  # an int8 cache's scales too (their head_dim is 1)
+            self._shardings = (pool, NamedSharding(mesh, P()))
+            self._reset()
+            self._compile()
 
-    def _compile(self, model: Model, shardings: DecodeState) -> None:
-        """Every step the engine will run, compiled now: a prefill and an insert per prompt bucket,
-        and the decode step, each with its outputs' shardings fixed and the decode state donated."""
-        cache, replicated = shardings.cache, shardings.tokens
-        one, self._prefill, self._insert = Sampling.one(), {}, {}
-        prefix_shardings = Prefix(cache, replicated, replicated, replicated)
-        for bucket in self.buckets:
-            tokens, length = jnp.zeros(bucket, jnp.int32), jnp.int32(1)
-            prefill_step = partial(prefill, model=model, vocab_size=self.vocab_size, logprobs=self.settings.prompt_nll,
-                                   kv_dtype=self.settings.kv_dtype)  # fmt: skip
-            prefill_step = jax.jit(prefill_step, out_shardings=prefix_shardings)
-            self._prefill[bucket] = prefill_step.lower(self.params, tokens, length).compile()
-            prefix = jax.eval_shape(prefill_step, self.params, tokens, length)
-            insert_step = jax.jit(
-                partial(insert, vocab_size=self.vocab_size), out_shardings=(shardings, None), donate_argnums=1
-            )
-            self._insert[bucket] = insert_step.lower(prefix, self.state, jnp.int32(0), one).compile()
-        step = partial(decode, model=model, vocab_size=self.vocab_size)
-        step = jax.jit(step, out_shardings=(shardings, None), donate_argnums=1)
-        self.decode_step = step.lower(self.params, self.state, jnp.bool_(True)).compile()
+    def _reset(self) -> None:
+        """A zero cache and slot state on the devices."""
+        cache = KVCache.paged(
+            self.model.config, self.settings.kv_pages, self.settings.page_size, self.settings.kv_dtype
+        )
+        pool, replicated = self._shardings
+        self.pools = jax.device_put((cache.keys, cache.values), pool)
+        self.slots_state = jax.device_put(Slots.empty(self.slots), replicated)
+
+    def _compile(self) -> None:
+        """Every step the engine will run, compiled now, each with its outputs' shardings fixed and
+        the cache and slot state donated: a decode step per (rows, table width) bucket, a prefill
+        step per (rows, chunk length, table width) bucket."""
+        b, pool, replicated = self.buckets, *self._shardings
+        out = ((pool, pool), replicated)
+        common = dict(model=self.model, vocab_size=self.vocab_size)
+        decode_step = jax.jit(partial(decode, **common), out_shardings=(*out, replicated), donate_argnums=(1, 2))
+        prefill_step = partial(prefill, logprobs=self.settings.prompt_nll, **common)
+        prefill_step = jax.jit(prefill_step, out_shardings=(*out, replicated, replicated), donate_argnums=(1, 2))
+        state = (self.pools, self.slots_state)
+        self.decode_steps, self.prefill_steps = {}, {}  # compiled, by (rows, pages) and (rows, chunk, pages)
+        for width in b.pages:
+            for rows in b.rows:
+                args = self._decode_args([], rows, width)
+                self.decode_steps[rows, width] = decode_step.lower(self.params, *state, *args).compile()
+            for chunk in (c for c in b.chunks if width * self.settings.page_size >= c):
+                for rows in b.prefill_rows(chunk):
+                    args = self._prefill_args([], rows, chunk, width)
+                    self.prefill_steps[rows, chunk, width] = prefill_step.lower(self.params, *state, *args).compile()
+
+    def decode_step(self, *args):
+        """Dispatches a compiled decode step (its bucket from the arguments' shapes)."""
+        rows, table = args[0], args[3]
+        return self.decode_steps[len(rows), table.shape[1]](self.params, self.pools, self.slots_state, *args)
+
+    def prefill_step(self, *args):
+        """Dispatches a compiled prefill step (its bucket from the arguments' shapes)."""
+        tokens, table = args[1], args[4]
+        step = self.prefill_steps[(*tokens.shape, table.shape[1])]
+        return step(self.params, self.pools, self.slots_state, *args)
 
     def submit(
         self, request: Request, loop: asyncio.AbstractEventLoop | None = None, request_id: str | None = None
@@ -114,9 +140,10 @@ class Engine:
         with self._lock:
             if self.failure is not None:
                 raise Unavailable(f"the engine has stopped: {self.failure!r}")
-            if len(self._waiting) >= s.max_queue + len(self._free):  # the free slots take some now
+            free = self.slots - len(self.scheduler.running)  # the free slots take some now
+            if len(self._incoming) + self._queued >= s.max_queue + free:
                 raise Unavailable(f"all {s.max_queue} queue places are taken (serve.max_queue)")
-            self._waiting.append(generation)
+            self._incoming.append(generation)
         self._wake.set()
         return generation
 
@@ -128,22 +155,21 @@ class Engine:
         return generations
 
     def busy(self) -> bool:
-        return bool(self._active or self._waiting)
+        return bool(self._incoming or self._sequences or self._dispatched)
 
     def queued(self) -> int:
-        return len(self._waiting)
+        return len(self._incoming) + self._queued
 
     def active_slots(self) -> int:
-        return len(self._active)
+        return len(self.scheduler.running)
 
     def cache_usage(self) -> float:
-        """The fraction of the KV cache the active slots fill."""
-        held = sum(len(g.request.prompt) + len(g.streams[c].tokens) for g, c in list(self._active.values()))
-        return held / (self.slots * self.max_len)
+        """The fraction of the KV cache's pages that sequences hold."""
+        return self.pool.in_use() / self.pool.capacity
 
-    def serve_forever(self, stop: threading.Event, on_step: Callable[[int], None] = lambda slots: None) -> None:
+    def serve_forever(self, stop: threading.Event, on_step: Callable[[int], None] = lambda rows: None) -> None:
         """Steps whenever there is work until `stop` is set, calling `on_step` with each decode
-        step's busy slots. If the engine stops (more failed steps in a row than
+        step's rows. If the engine stops (more failed steps in a row than
         `serve.max_engine_restarts`), every request ends with the error, new ones are refused
         (`Unavailable`), and the error is raised."""
         try:
@@ -151,36 +177,166 @@ class Engine:
                 if not self.busy():
                     self._wake.wait(0.1)
                     self._wake.clear()
-                elif slots := self.step():
-                    on_step(slots)
+                elif rows := self.step():
+                    on_step(rows)
         except BaseException as failure:
             self._stop(failure)
             raise
 
     def step(self) -> int:
-        """Admits what fits, then one decode step for all slots; returns how many were busy."""
-        self._admit()
-        now = time.monotonic()
-        for slot, (generation, _) in list(self._active.items()):
-            if slot in self._active and (generation.cancelled or now >= generation.deadline):
-                self._drop(generation, None if generation.cancelled else self._late(generation))
-        if not self._active:
-            return 0
-        busy = len(self._active)
-        logprobs = any(g.request.logprobs is not None for g, _ in self._active.values())
+        """Plans and dispatches the next step, then reads back the one before; returns how many
+        sequences the dispatched decode step advances."""
+        self._take_incoming()
+        self._drop_ended()
+        plan = self.scheduler.plan()
+        self._queued = len({s.generation for s in self.scheduler.waiting if s.issued == 0 and s.choice == 0})
+        dispatched = []
         try:
-            self.state, tokens = self.decode_step(self.params, self.state, np.bool_(logprobs))
-            tokens = jax.device_get(tokens)
+            if plan.decode:
+                dispatched.append(self._dispatch_decode(plan.decode))
+            if plan.prefill and (step := self._dispatch_prefill(plan.prefill)):
+                dispatched.append(step)
+            previous, self._dispatched = self._dispatched, dispatched
+            for step in previous:
+                self._read(step)
         except Exception as failure:
             self._restart(failure)
             return 0
         self._failed_in_a_row = 0
-        for slot, (generation, choice) in list(self._active.items()):
-            if slot in self._active:  # not left with a failed choice of the same request
-                with self._serving(generation):
-                    if generation._push(choice, int(tokens.ids[slot]), self._logprob(generation, tokens, slot)):
-                        self._release(slot)
-        return busy
+        return len(plan.decode)
+
+    def _take_incoming(self) -> None:
+        with self._lock:
+            incoming, self._incoming = self._incoming, []
+        for generation in incoming:
+            self._sequences[generation] = self.scheduler.add(generation, self.settings.prompt_nll)
+
+    def _drop_ended(self) -> None:
+        """Requests whose client went away, or past their deadline, end and free their pages."""
+        now = time.monotonic()
+        for generation in list(self._sequences):
+            if generation.cancelled or now >= generation.deadline:
+                self._drop(generation, None if generation.cancelled else self._late(generation))
+
+    def _dispatch_decode(self, sequences: list[Sequence]) -> Dispatched:
+        width = Buckets.fit(max(len(s.pages) for s in sequences), self.buckets.pages)
+        *args, _ = self._decode_args(sequences, Buckets.fit(len(sequences), self.buckets.rows), width)
+        logprobs = any(s.generation.request.logprobs is not None for s in sequences)
+        self.pools, self.slots_state, tokens = self.decode_step(*args, np.bool_(logprobs))
+        draws = [(row, s, s.issued) for row, s in enumerate(sequences)]
+        for s in sequences:
+            s.issued += 1
+        return Dispatched(tokens, draws)
+
+    def _decode_args(self, sequences: list[Sequence], rows: int, width: int) -> tuple:
+        """(rows, positions, output indices, table, logprobs) padded to `rows` × `width`."""
+        slots, positions, index = (
+            np.full(rows, self.slots, np.int32),
+            np.full(rows, -1, np.int32),
+            np.zeros(rows, np.int32),
+        )
+        table = np.full((rows, width), SCRATCH_PAGE, np.int32)
+        for r, s in enumerate(sequences):
+            slots[r], positions[r], index[r] = s.slot, s.position, s.issued
+            table[r, : len(s.pages)] = s.pages
+        return slots, positions, index, table, np.bool_(False)
+
+    def _dispatch_prefill(self, chunks: list[Chunk]) -> Dispatched | None:
+        rows = {}
+        for chunk in chunks:
+            with self._serving(chunk.sequence.generation):
+                rows[chunk] = self._prefill_row(chunk)
+        chunks = [c for c in chunks if c in rows and c.sequence.state is State.PREFILL]  # not failed meanwhile
+        if not chunks:
+            return None
+        size = Buckets.fit(max(c.count for c in chunks), self.buckets.chunks)
+        width = Buckets.fit(max(len(c.sequence.pages) for c in chunks), self.buckets.pages)
+        count = Buckets.fit(len(chunks), self.buckets.prefill_rows(size))
+        args = self._prefill_args([rows[c] for c in chunks], count, size, width)
+        self.pools, self.slots_state, tokens, prompt = self.prefill_step(*args)
+        draws = [(row, c.sequence, c.sequence.issued) for row, c in enumerate(chunks) if c.final]
+        scored = [(row, c) for row, c in enumerate(chunks) if c.sequence.scores_prompt and not c.sequence.output]
+        for chunk in chunks:
+            self.scheduler.advance(chunk)
+        return Dispatched(tokens, draws, scored if self.settings.prompt_nll else [], prompt)
+
+    def _prefill_row(self, chunk: Chunk) -> tuple:
+        """One chunk's row of a prefill step: (slot, tokens, start, final, output index, the tokens
+        following each, pages, sampling settings)."""
+        s, request = chunk.sequence, chunk.sequence.generation.request
+        sampling = Sampling.one(request.temperature, request.top_k, request.top_p, s.generation.seed, s.choice)
+        following = s.target[chunk.start + 1 : chunk.start + chunk.count + 1]
+        return s.slot, chunk.tokens, chunk.start, chunk.final, s.issued, following, s.pages, sampling
+
+    def _prefill_args(self, rows: list[tuple], count: int, size: int, width: int) -> tuple:
+        """(slots, tokens, starts, lengths, table, final, sampling, output indices, following),
+        `rows` padded to `count` rows × `size` tokens × `width` pages."""
+        slots, starts, index = (
+            np.full(count, self.slots, np.int32),
+            np.zeros(count, np.int32),
+            np.zeros(count, np.int32),
+        )
+        tokens, following = np.zeros((count, size), np.int32), np.zeros((count, size), np.int32)
+        lengths, final = np.ones(count, np.int32), np.zeros(count, np.bool_)
+        table, settings = np.full((count, width), SCRATCH_PAGE, np.int32), [Sampling.one()] * count
+        for r, (slot, chunk, start, last, issued, after, pages, sampling) in enumerate(rows):
+            slots[r], starts[r], lengths[r], final[r], index[r], settings[r] = (
+                slot,
+                start,
+                len(chunk),
+                last,
+                issued,
+                sampling,
+            )
+            tokens[r, : len(chunk)], following[r, : len(after)], table[r, : len(pages)] = chunk, after, pages
+        sampling = Sampling(*(np.concatenate(field) for field in zip(*settings, strict=True)))
+        return slots, tokens, starts, lengths, table, final, sampling, index, following
+
+    def _read(self, step: Dispatched) -> None:
+        """Streams what `step` produced; a choice that finishes gives back its pages and slot."""
+        tokens = jax.device_get(step.tokens)
+        if step.scored:
+            self._score_prompts(step.scored, jax.device_get(step.prompt))
+        for row, sequence, index in step.draws:
+            generation = sequence.generation
+            if sequence.state is State.DONE or index != len(sequence.output):
+                continue  # it ended after the step was dispatched
+            with self._serving(generation):
+                if generation._push(sequence.choice, int(tokens.ids[row]), self._logprob(generation, tokens, row)):
+                    self.scheduler.finish(sequence)
+                    if generation.done:
+                        del self._sequences[generation]
+
+    def _score_prompts(self, scored: list[tuple[int, Chunk]], prompt: Tokens) -> None:
+        """Collects each prompt token's log-prob from the prefill chunks that read it; once a
+        prompt is whole, its perplexity, and the alarm's verdict."""
+        for row, chunk in scored:
+            sequence = chunk.sequence
+            if sequence.state is State.DONE:
+                continue
+            with self._serving(sequence.generation):
+                length = len(sequence.prompt) - 1
+                if sequence.scored is None:
+                    sequence.scored = Tokens(*(np.zeros((length, *a.shape[2:]), a.dtype) for a in prompt))
+                count = max(0, min(chunk.count, length - chunk.start))
+                for whole, part in zip(sequence.scored, prompt, strict=True):
+                    whole[chunk.start : chunk.start + count] = part[row, :count]
+                if chunk.final:
+                    self._judge(sequence.generation, sequence.scored)
+
+    def _judge(self, generation: Generation, scored: Tokens) -> None:
+        """Records the prompt's log-probs and perplexity, and ends the request if the alarm refuses it."""
+        s = self.settings
+        generation.prompt_logprobs = scored
+        generation.perplexity = prompt_perplexity(-generation.prompt_logprobs.logprobs)
+        generation.alarm = s.ppl_alarm is not None and max(generation.perplexity) > s.ppl_alarm
+        if generation.alarm and s.ppl_reject:
+            whole, window = generation.perplexity
+            message = (
+                f"the prompt's perplexity ({whole:.1f} whole, {window:.1f} in its worst 32-token window) is above "
+                f"this server's limit of {s.ppl_alarm:g} (serve.ppl_alarm); send text the model can read"
+            )
+            self._drop(generation, RequestError(message, "perplexity_alarm", "prompt"))
 
     @contextlib.contextmanager
     def _serving(self, generation: Generation) -> Iterator[None]:
@@ -193,10 +349,9 @@ class Engine:
             self._drop(generation, RequestFailed(message, "internal_error"))
 
     def _drop(self, generation: Generation, error: Exception | None) -> None:
-        """Ends `generation` (with `error`, if any) and frees its slots."""
-        for slot, (g, _) in list(self._active.items()):
-            if g is generation:
-                self._release(slot)
+        """Ends `generation` (with `error`, if any) and frees its pages and slots."""
+        for sequence in self._sequences.pop(generation, []):
+            self.scheduler.finish(sequence)
         generation._end(error)
 
     def _late(self, generation: Generation) -> RequestFailed:
@@ -206,19 +361,25 @@ class Engine:
         return RequestFailed(message, "timeout")
 
     def _restart(self, failure: Exception) -> None:
-        """A failed decode step: the busy requests end with the error and the decode state is
-        rebuilt; past `serve.max_engine_restarts` failures in a row, the engine stops."""
+        """A failed device step: the requests with sequences running (their keys and values are
+        lost) end with the error, and the cache is rebuilt; past `serve.max_engine_restarts`
+        failures in a row, the engine stops."""
         self._failed_in_a_row += 1
         if self._failed_in_a_row > self.settings.max_engine_restarts:
             self._stop(failure)
             raise failure
-        log.exception("a decode step failed; rebuilding the decode state (restart %d)", self.restarts + 1)
-        for generation in {g for g, _ in self._active.values()}:
-            message = (f"request {generation.id} was lost when a decode step failed ({type(failure).__name__}) "
+        log.exception("a device step failed; rebuilding the KV cache (restart %d)", self.restarts + 1)
+        self._dispatched = []
+        for generation in {s.generation for s in self.scheduler.running}:
+            message = (f"request {generation.id} was lost when a device step failed ({type(failure).__name__}) "
                        "and the engine restarted; retry it")  # fmt: skip
             self._drop(generation, RequestFailed(message, "internal_error"))
-        empty = DecodeState.empty(self.model.config, self.slots, self.max_len, self.settings.kv_dtype)
-        self.state = jax.device_put(empty, self._shardings)
+        for sequences in self._sequences.values():  # preempted ones prefill again from the start
+            for s in sequences:
+                s.issued = len(s.output)
+        self.pool.forget()
+        with jax.set_mesh(self.mesh):
+            self._reset()
         self.restarts += 1
 
     def _stop(self, failure: BaseException) -> None:
@@ -226,66 +387,12 @@ class Engine:
         with self._lock:
             if self.failure is not None:
                 return
-            self.failure, waiting = failure, list(self._waiting)
-            self._waiting.clear()
+            self.failure, incoming = failure, self._incoming
+            self._incoming = []
         stopped = Unavailable(f"the engine has stopped: {failure!r}")
-        for generation in waiting + [g for g, _ in self._active.values()]:
-            generation._end(stopped)
-        self._active.clear()
-        self._free = list(range(self.slots))[::-1]
-
-    def _admit(self) -> None:
-        """First come, first served: a request waits until its `n` slots are free; one whose
-        client went away leaves the queue, and one past its deadline ends with an error."""
-        now = time.monotonic()
-        while True:
-            with self._lock:
-                gone = {g for g in self._waiting if g.cancelled or now >= g.deadline}
-                self._waiting = collections.deque(g for g in self._waiting if g not in gone)
-                ready = self._waiting and len(self._free) >= self._waiting[0].request.n
-                generation = self._waiting.popleft() if ready else None
-            for g in gone:
-                g._end(None if g.cancelled else self._late(g))
-            if generation is None:
-                return
-            with self._serving(generation):
-                self._start(generation)
-
-    def _start(self, generation: Generation) -> None:
-        r = generation.request
-        bucket = bucket_for(len(r.prompt), self.buckets)
-        tokens = np.zeros(bucket, np.int32)
-        tokens[: len(r.prompt)] = r.prompt
-        prefix: Prefix = self._prefill[bucket](self.params, tokens, np.int32(len(r.prompt)))
-        if self.settings.prompt_nll and not self._judge(generation, prefix):
-            return
-        for choice in range(r.n):
-            sampling = Sampling.one(r.temperature, r.top_k, r.top_p, generation.seed, choice)
-            slot = self._free.pop()
-            self._active[slot] = (generation, choice)
-            self.state, first = self._insert[bucket](prefix, self.state, np.int32(slot), sampling)
-            first = jax.device_get(first)
-            if generation._push(choice, int(first.ids[0]), self._logprob(generation, first, 0)):
-                self._release(slot)
-
-    def _judge(self, generation: Generation, prefix: Prefix) -> bool:
-        """Records the prompt's log-probs and perplexity; False if the alarm refuses it."""
-        s, prompt = self.settings, jax.device_get(prefix.prompt)
-        generation.prompt_logprobs = Tokens(*(a[: len(generation.request.prompt) - 1] for a in prompt))
-        generation.perplexity = prompt_perplexity(-generation.prompt_logprobs.logprobs)
-        generation.alarm = s.ppl_alarm is not None and max(generation.perplexity) > s.ppl_alarm
-        if generation.alarm and s.ppl_reject:
-            whole, window = generation.perplexity
-            message = (
-                f"the prompt's perplexity ({whole:.1f} whole, {window:.1f} in its worst 32-token window) is above "
-                f"this server's limit of {s.ppl_alarm:g} (serve.ppl_alarm); send text the model can read"
-            )
-            generation._end(RequestError(message, "perplexity_alarm", "prompt"))
-        return generation.error is None
-
-    def _release(self, slot: int) -> None:
-        del self._active[slot]
-        self._free.append(slot)
+        for generation in [*incoming, *self._sequences]:
+            self._drop(generation, stopped)
+        self._dispatched = []
 
     @staticmethod
     def _logprob(generation: Generation, tokens, row: int) -> Logprob | None:

@@ -1,7 +1,7 @@
 """A request to the serving engine and what becomes of it: its settings and every bound on them,
 its deltas as they are decoded, its choices once it ends, and how it ended (finished, refused,
-failed or past its deadline). Pure Python: the engine thread writes a `Generation`, any other
-thread or an event loop reads it, and every read has an end."""
+failed or past its deadline). The engine thread writes a `Generation`, any other thread or an
+event loop reads it, and every read has an end."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ def serving_setup(
         raise ConfigError(f"{path} holds int8 weights, which serve only as int8; drop the model.quantize override "
                           "or serve the training run it was exported from")  # fmt: skip
     settings = ServeConfig.from_dict({k[len(SERVE) :]: v for k, v in overrides.items() if k.startswith(SERVE)})
-    return serving_config(cfg, settings, jax.local_device_count()), saved_tokenizer
+    return serving_config(cfg, settings, jax.local_device_count(), jax.default_backend()), saved_tokenizer
 
 
 def start_engine(path: str | pathlib.Path, serving: Serving, tokenizer: Tokenizer) -> Engine:

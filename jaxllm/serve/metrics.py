@@ -24,7 +24,17 @@ class Metrics:
         self.queue_depth = Gauge("jaxllm_queue_depth", "Requests waiting for a slot.", registry=r)
         self.active_slots = Gauge("jaxllm_active_slots", "Slots decoding a request.", registry=r)
         self.kv_cache_usage = Gauge(
-            "jaxllm_kv_cache_usage", "Fraction of the KV cache the active slots fill.", registry=r
+            "jaxllm_kv_cache_usage", "Fraction of the KV cache's pages that sequences hold.", registry=r
+        )
+        self.kv_pages_cached = Gauge("jaxllm_kv_pages_cached", "Pages in the prefix cache, held or idle.", registry=r)
+        self.prefix_cache_hits = Gauge(
+            "jaxllm_prefix_cache_hit_pages", "Full prompt pages found in the prefix cache since start.", registry=r
+        )
+        self.prefix_cache_misses = Gauge(
+            "jaxllm_prefix_cache_miss_pages", "Full prompt pages not found in the prefix cache since start.", registry=r
+        )
+        self.preemptions = Gauge(
+            "jaxllm_preemptions", "Sequences preempted (to prefill again later) when pages ran out.", registry=r
         )
         self.step_slots = Histogram(
             "jaxllm_decode_step_slots", "Busy slots in each decode step.", buckets=range(1, slots + 1), registry=r

@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar, Literal
 
+import ml_dtypes  # noqa: F401  (numpy learns bfloat16)
+import numpy as np
+
 from jaxllm.config import ModelConfig, ParallelConfig, RunConfig, Section, field, require, validate_tensor
 
 ServeDtype = Literal["float32", "bfloat16", "float16"]
@@ -22,6 +25,16 @@ class ServeConfig(Section):
     max_prompt_tokens: int = field(8192, "the longest prompt (also capped at max_len - 1)")
     dtype: ServeDtype | None = field(None, "params and activations (None: model.dtype)")
     kv_dtype: KvDtype | None = field(None, "the KV cache: a float dtype, or 'int8' with per-token scales (None: dtype)")
+    page_size: int = field(16, "tokens a KV-cache page holds")
+    kv_pages: int | None = field(None, "pages in the KV cache's pool, page 0 kept as scratch (None: from kv_memory_gb, "
+                                       "else room for every slot at max_len)")  # fmt: skip
+    kv_memory_gb: float | None = field(None, "the KV cache's pool size in GB per device, if kv_pages is None")
+    prefill_chunk: int = field(512, "prompt tokens prefilled per step, over one or several prompts; longer ones in "
+                                    "chunks between decode steps")  # fmt: skip
+    prefix_cache: bool = field(True, "share the full pages of prompts that start alike instead of prefilling them")
+    attention: Literal["xla", "pallas"] | None = field(
+        None, "decode attention over the pages: 'pallas' (JAX's paged kernel, GPUs) or 'xla' (None: pallas on GPUs)"
+    )
     tensor: int = field(-1, "devices for tensor parallelism (-1: as many local ones as split the heads evenly)")
     prompt_nll: bool = field(False, "each prompt token's log-prob (the LM head over every prompt token)")
     host: str = field("127.0.0.1", "where the HTTP server listens")
@@ -40,6 +53,15 @@ class ServeConfig(Section):
     def __post_init__(self) -> None:
         super().__post_init__()
         require(self.slots >= 1, f"serve.slots={self.slots} must be at least 1")
+        require(self.page_size >= 1, f"serve.page_size={self.page_size} must be at least 1")
+        require(self.prefill_chunk >= 1, f"serve.prefill_chunk={self.prefill_chunk} must be at least 1")
+        require(self.kv_pages is None or self.kv_pages >= 2, f"serve.kv_pages={self.kv_pages} must be at least 2")
+        memory = self.kv_memory_gb
+        require(memory is None or memory > 0, f"serve.kv_memory_gb={memory} must be above 0")
+        require(
+            self.kv_pages is None or self.kv_memory_gb is None,
+            "set one of serve.kv_pages and serve.kv_memory_gb: both size the KV cache's pool",
+        )
         require(self.max_prompt_tokens >= 1, f"serve.max_prompt_tokens={self.max_prompt_tokens} must be at least 1")
         require(0 < self.port < 65536, f"serve.port={self.port} must be in 1..65535")
         require(self.max_body_bytes >= 1, f"serve.max_body_bytes={self.max_body_bytes} must be at least 1")
@@ -72,7 +94,7 @@ class Serving:
         return ParallelConfig(data=1, tensor=self.settings.tensor)
 
 
-def serving_config(cfg: RunConfig, settings: ServeConfig, local_devices: int) -> Serving:
+def serving_config(cfg: RunConfig, settings: ServeConfig, local_devices: int, backend: str = "cpu") -> Serving:
     """A checkpoint's config made ready to serve with `settings`: each setting left None resolved,
     the model set to compute in the serving dtype with plain XLA attention, no remat and no FP8 (a
     per-tensor scale over a batch of slots would make each request's output depend on the others')."""
@@ -96,5 +118,31 @@ def serving_config(cfg: RunConfig, settings: ServeConfig, local_devices: int) ->
         f"serve.tensor={s.tensor}: this host has {local_devices} devices; use 1 to {local_devices} (-1: all)",
     )
     validate_tensor(m, s.tensor, "serve.tensor")
+    s = s.replace(kv_pages=_kv_pages(m, s), attention=s.attention or ("pallas" if backend == "gpu" else "xla"))
+    require(
+        s.attention == "xla" or backend == "gpu",
+        f"serve.attention=pallas runs JAX's paged-attention kernel, which needs a GPU; this host's backend is "
+        f"{backend}: use serve.attention=xla",
+    )
     model = m.replace(dtype=s.dtype, attention="xla", remat="none", fp8=m.fp8.replace(enabled=False))
     return Serving(model, s)
+
+
+def _kv_pages(model: ModelConfig, s: ServeConfig) -> int:
+    """The pool's pages: as set, from the memory budget, or enough for every slot at max_len; at
+    least enough for one request of max_len."""
+    pages_per_slot = -(-s.max_len // s.page_size)
+    pages = s.kv_pages
+    if pages is None and s.kv_memory_gb is not None:
+        per_head = model.head_dim * (1 if s.kv_dtype == "int8" else np.dtype(s.kv_dtype).itemsize)
+        per_head += 4 if s.kv_dtype == "int8" else 0  # its fp32 scale
+        page = 2 * model.num_layers * model.num_kv_heads // s.tensor * s.page_size * per_head  # keys and values
+        pages = int(s.kv_memory_gb * 1e9 // page)
+    pages = pages or s.slots * pages_per_slot + 1
+    require(
+        pages >= pages_per_slot + 1,
+        f"the KV cache's pool of {pages} pages of {s.page_size} tokens (serve.kv_pages, serve.kv_memory_gb; one page "
+        f"is scratch) cannot hold one request of serve.max_len={s.max_len} tokens: give it at least "
+        f"{pages_per_slot + 1} pages, or lower serve.max_len",
+    )
+    return pages

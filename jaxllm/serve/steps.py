@@ -1,14 +1,18 @@
-"""The serving engine's device steps: continuous batching over a fixed number of slots.
+"""The serving engine's device steps over a paged KV cache (see `model.cache`).
 
-A request's prompt is prefilled alone into a one-slot cache of its bucket's length (`prefill`:
-prompts are padded to a few bucket lengths, so a few compiles cover them all), inserted into a
-free slot of the decode state (`insert`), and then every active slot advances by one token per
-`decode` step, all slots in one jitted call. Requests join and leave between steps; a slot's
-tokens depend only on its request (see `sampling`), never on which slots are busy.
+`prefill` reads a chunk of up to T tokens for each of B rows (a prompt whole, or a piece of a
+long one) into the pages each row's table names, attending to what those pages already hold;
+a row whose chunk ends its prompt samples its first token. `decode` advances B decoding rows by
+one token each. Both take each row's slot, a row of `Slots`: the token it feeds next and its
+sampling settings stay on the device, so one decode step can be dispatched before the host has
+read the last one's tokens. B, T and the table's width come in a few bucket sizes (`Buckets`),
+each compiled when the engine starts; padding rows use the scratch slot, position -1 and the
+scratch page. A row's tokens depend only on its request (see `sampling`), never on its neighbours.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import NamedTuple
 
@@ -16,31 +20,51 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.config import ModelConfig
 from jaxllm.model.cache import KVCache
 from jaxllm.model.decoder import Model
 from jaxllm.model.sampling import Sampling, sample
 
 TOP_LOGPROBS = 20
+MIN_WIDTH = 256  # tokens the narrowest table covers: reading fewer saves little next to the weights
 
 
-def prompt_buckets(max_prompt_tokens: int, max_len: int) -> list[int]:
-    """The lengths prompts are padded to, one compile each: powers of two from 16, up to and
-    ending with min(max_prompt_tokens, max_len)."""
-    top, sizes = min(max_prompt_tokens, max_len), []
-    while (16 << len(sizes)) < top:
-        sizes.append(16 << len(sizes))
-    return [*sizes, top]
+def _doubling(start: int, top: int) -> list[int]:
+    sizes = [start]
+    while sizes[-1] * 2 < top:
+        sizes.append(sizes[-1] * 2)
+    return sorted({*(s for s in sizes if s < top), top})
 
 
-def bucket_for(length: int, buckets: list[int]) -> int:
-    if not 0 < length <= buckets[-1]:
-        raise ValueError(f"a prompt of {length} tokens does not fit: prompts take 1 to {buckets[-1]} tokens")
-    return next(b for b in buckets if b >= length)
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """The shapes the engine compiles: decode batches of `rows` (powers of two up to the slots);
+    tables of `pages` pages (a doubling from `MIN_WIDTH` tokens up to `serve.max_len`); prefill
+    chunks of `chunks` tokens (a doubling from 16 up to `serve.prefill_chunk`), each in the row
+    buckets that fit the token budget."""
+
+    rows: list[int]
+    pages: list[int]
+    chunks: list[int]
+    budget: int  # prefill tokens per step
+
+    @classmethod
+    def of(cls, slots: int, max_len: int, page_size: int, prefill_chunk: int) -> Buckets:
+        max_pages = -(-max_len // page_size)
+        pages = _doubling(min(max_pages, max(1, MIN_WIDTH // page_size)), max_pages)
+        chunk = min(prefill_chunk, max_len)
+        return cls(_doubling(1, slots), pages, _doubling(min(16, chunk), chunk), chunk)
+
+    def prefill_rows(self, chunk: int) -> list[int]:
+        """The row buckets of a prefill of `chunk`-token pieces: as many as fit the token budget."""
+        return [r for r in self.rows if r <= max(1, self.budget // chunk)]
+
+    @staticmethod
+    def fit(size: int, sizes: list[int]) -> int:
+        return next(s for s in sizes if s >= size)
 
 
 class Tokens(NamedTuple):
-    """What a step produced, per slot, with the model's raw log-probabilities (before
+    """What a step produced, per row, with the model's raw log-probabilities (before
     temperature, top-k and top-p) when asked for (zeros otherwise)."""
 
     ids: jax.Array
@@ -63,86 +87,96 @@ def _without_logprobs(ids: jax.Array) -> Tokens:
     return Tokens(ids, zeros, top, top.astype(jnp.float32))
 
 
-class Prefix(NamedTuple):
-    """A prefilled prompt, ready to insert into a slot."""
+class Slots(NamedTuple):
+    """Per slot (and one scratch slot, the last, for padding rows): the token it feeds next and
+    its request's sampling settings."""
 
-    cache: KVCache  # one slot's keys and values
-    logits: jax.Array  # [padded vocab] fp32 after the prompt's last token
-    length: jax.Array  # the prompt's true length
-    prompt: Tokens  # [bucket - 1] the prompt's tokens after the first, with log-probs if asked for
-
-
-class DecodeState(NamedTuple):
-    """Every slot's cache and where its request stands; one entry per slot."""
-
-    cache: KVCache
-    tokens: jax.Array  # the token each slot feeds next (its latest output)
-    positions: jax.Array  # where that token goes in the slot's cache
-    generated: jax.Array  # how many tokens the slot's request has produced
+    last: jax.Array
     sampling: Sampling
 
     @classmethod
-    def empty(cls, model: ModelConfig, slots: int, max_len: int, dtype=None) -> DecodeState:
+    def empty(cls, slots: int) -> Slots:
         def zeros(dtype=jnp.int32):  # separate buffers, so the state can be donated
-            return jnp.zeros(slots, dtype)
+            return jnp.zeros(slots + 1, dtype)
 
-        sampling = Sampling(zeros(jnp.float32), zeros(), jnp.ones(slots), zeros(jnp.uint32), zeros())
-        return cls(KVCache.empty(model, slots, max_len, dtype), zeros(), zeros(), zeros(), sampling)
+        return cls(zeros(), Sampling(zeros(jnp.float32), zeros(), jnp.ones(slots + 1), zeros(jnp.uint32), zeros()))
+
+
+Pools = tuple  # a KVCache's (keys, values)
+
+
+def _replicated(logits: jax.Array) -> jax.Array:
+    """One gather of the vocab-split logits, so sampling and log-probs run whole on each device."""
+    return jax.lax.with_sharding_constraint(logits, P())
+
+
+def decode(
+    params: dict,
+    pools: Pools,
+    slots: Slots,
+    rows: jax.Array,
+    positions: jax.Array,
+    index: jax.Array,
+    table: jax.Array,
+    logprobs: jax.Array,
+    *,
+    model: Model,
+    vocab_size: int,
+):
+    """One token for each of `rows` [B] (slots), fed at `positions` [B] with its pages `table`
+    [B, pages], drawn as the `index`-th [B] of its request's output: (pools, slots, `Tokens`,
+    with log-probs if `logprobs`, a bool: their top-k over the vocab costs as much as sampling)."""
+    tokens = slots.last[rows]
+    logits, cache = model.extend(params, tokens[:, None], positions[:, None], KVCache(*pools, table))
+    logits = _replicated(logits[:, -1])
+    ids = sample(logits, jax.tree.map(lambda a: a[rows], slots.sampling), index, vocab_size)
+    slots = slots._replace(last=slots.last.at[rows].set(ids))
+    out = jax.lax.cond(
+        logprobs, partial(_tokens, vocab_size=vocab_size), lambda _, ids: _without_logprobs(ids), logits, ids
+    )
+    return (cache.keys, cache.values), slots, out
 
 
 def prefill(
     params: dict,
+    pools: Pools,
+    slots: Slots,
+    rows: jax.Array,
     tokens: jax.Array,
-    length: jax.Array,
+    starts: jax.Array,
+    lengths: jax.Array,
+    table: jax.Array,
+    final: jax.Array,
+    sampling: Sampling,
+    index: jax.Array,
+    following: jax.Array,
     *,
     model: Model,
     vocab_size: int,
     logprobs: bool,
-    kv_dtype: str | None = None,
-) -> Prefix:
-    """`tokens` [bucket] (the prompt, then padding) of which the first `length` count, into a cache
-    of `kv_dtype` (default: the model's). With `logprobs`, also each prompt token's log-prob (after
-    the first) and the top alternatives, which costs the LM head over the whole prompt instead of once."""
-    empty = KVCache.empty(model.config, 1, tokens.shape[0], kv_dtype)
-    if not logprobs:
-        logits, cache = model.prefill(params, tokens[None], empty, logits_at=(length - 1)[None])
-        return Prefix(cache, logits[0, 0], length, _without_logprobs(tokens[1:]))
-    logits, cache = model.prefill(params, tokens[None], empty)
-    return Prefix(cache, logits[0, length - 1], length, _tokens(logits[0, :-1], tokens[1:], vocab_size))
-
-
-def insert(prefix: Prefix, state: DecodeState, slot: jax.Array, sampling: Sampling, *, vocab_size: int):
-    """The state with `prefix` in `slot`, decoding with `sampling` (one slot's settings); returns
-    (state, the request's first token as `Tokens` of one slot). The slot's cache past the prompt
-    keeps an earlier request's entries: decoding never attends past its own position."""
-    first = sample(prefix.logits[None], sampling, jnp.zeros(1, jnp.int32), vocab_size)
-
-    def put(all_slots, one):
-        start = (0, 0, slot, 0, 0, 0)
-        return jax.lax.dynamic_update_slice(all_slots, one.astype(all_slots.dtype), start)
-
-    cache = jax.tree.map(put, state.cache, prefix.cache)
-    state = DecodeState(
-        cache,
-        state.tokens.at[slot].set(first[0]),
-        state.positions.at[slot].set(prefix.length),
-        state.generated.at[slot].set(1),
-        jax.tree.map(lambda all_slots, one: all_slots.at[slot].set(one[0]), state.sampling, sampling),
+):
+    """Chunks `tokens` [B, T] of which each row's first `lengths` count, at positions `starts`
+    onwards, into the pages of `table`; a `final` row's chunk ends its prompt: its first token is
+    drawn (the `index`-th of its output, with `sampling`, one entry per row) and becomes what its
+    slot feeds next. (pools, slots, the first tokens as `Tokens`, and with `logprobs` each chunk
+    token's prediction of the one `following` it [B, T] (else zeros): the LM head over every
+    chunk token instead of once a row.)"""
+    t = jnp.arange(tokens.shape[1])[None]
+    positions = jnp.where(t < lengths[:, None], starts[:, None] + t, -1)
+    cache = KVCache(*pools, table)
+    if logprobs:
+        logits, cache = model.extend(params, tokens, positions, cache)
+        logits = _replicated(logits)
+        b, length, vocab = logits.shape
+        prompt = _tokens(logits.reshape(b * length, vocab), following.reshape(-1), vocab_size)
+        prompt = jax.tree.map(lambda a: a.reshape(b, length, *a.shape[1:]), prompt)
+        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    else:
+        logits, cache = model.extend(params, tokens, positions, cache, logits_at=lengths - 1)
+        last, prompt = _replicated(logits[:, 0]), _without_logprobs(following)
+    first = sample(last, sampling, index, vocab_size)
+    slots = Slots(
+        slots.last.at[rows].set(jnp.where(final, first, slots.last[rows])),
+        jax.tree.map(lambda all_slots, row: all_slots.at[rows].set(row), slots.sampling, sampling),
     )
-    return state, _tokens(prefix.logits[None], first, vocab_size)
-
-
-def decode(params: dict, state: DecodeState, logprobs: jax.Array, *, model: Model, vocab_size: int):
-    """One step for every slot: (state, each slot's next token as `Tokens`, with log-probs if
-    `logprobs`, a bool: their top-k over the vocab costs as much as sampling). Idle slots compute
-    too; their positions stop at the cache's end."""
-    positions = jnp.minimum(state.positions, state.cache.max_len - 1)
-    logits, cache = model.decode_step(params, state.tokens[:, None], positions[:, None], state.cache)
-    # One gather of the vocab-split logits, so sampling and log-probs run whole on each device.
-    logits = jax.lax.with_sharding_constraint(logits[:, -1], P())
-    tokens = sample(logits, state.sampling, state.generated, vocab_size)
-    state = DecodeState(cache, tokens, positions + 1, state.generated + 1, state.sampling)
-
-    return state, jax.lax.cond(
-        logprobs, partial(_tokens, vocab_size=vocab_size), lambda _, ids: _without_logprobs(ids), logits, tokens
-    )
+    return (cache.keys, cache.values), slots, _tokens(last, first, vocab_size), prompt
