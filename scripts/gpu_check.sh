@@ -6,7 +6,7 @@
 # count of the cuBLASLt FP8 GEMMs in the optimized HLO (scripts/bench_fp8.py, which fails when a
 # projection is not one), and the fused attention kernels against XLA attention
 # (scripts/bench_attention.py), and the serving engine's Pallas paged-attention kernel against its
-# XLA path (tests/test_engine.py, which needs pytest there). Packages the GPU image lacks come as wheels in .whl/ (see README,
+# XLA path (tests/unit/test_engine.py, which needs pytest there). Packages the GPU image lacks come as wheels in .whl/ (see README,
 # "Benchmarks"); results go to $OUT when set, else to stdout only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +25,7 @@ python3 scripts/bench_attention.py --kv-heads 4 2>&1 | tee -a "${OUT:-/tmp}/benc
 # The serving engine's Pallas paged-attention kernel on the GPU against its XLA path (fp32 and
 # int8 pages): the test that runs it in the Pallas interpreter on CPU runs the kernel on a GPU.
 if python3 -c "import pytest" 2>/dev/null; then
-    python3 -m pytest -q -p no:cacheprovider tests/test_engine.py -k pallas_paged_kernel 2>&1 | tee "${OUT:-/tmp}/paged_attention.txt"
+    python3 -m pytest -q -p no:cacheprovider tests/unit/test_engine.py -k pallas_paged_kernel 2>&1 | tee "${OUT:-/tmp}/paged_attention.txt"
 else
     echo "paged attention: pytest is not installed here, so its GPU check did not run" | tee "${OUT:-/tmp}/paged_attention.txt"
 fi

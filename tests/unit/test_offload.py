@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import small_config
+from support.runs import small_config
 
 from jaxllm import plan
 from jaxllm.config import ConfigError

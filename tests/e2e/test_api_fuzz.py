@@ -16,7 +16,7 @@ from schemathesis.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
-from serving import http_server
+from support.serving import http_server
 
 from jaxllm.serve.load import load_engine
 

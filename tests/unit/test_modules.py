@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, small_config
 from flax import nnx
+from support.runs import ROOT, small_config
 
 from jaxllm.checkpoint import load_params, saved_config
 from jaxllm.config import load_config
@@ -24,7 +24,7 @@ from jaxllm.parallel.rules import AXIS_RULES
 from jaxllm.train.run import batch_sharding, build_run
 from jaxllm.train.step import compile_train_step, init_params, init_state
 
-FIXTURES = ROOT / "tests" / "fixtures"
+FIXTURES = ROOT / "tests" / "support" / "fixtures"
 # Per-parameter SHA-256 prefixes of the initial values that the pre-module code (commit 2d23323)
 # gave these configs: seed 3 for the small model's options, seed 0 for configs/tiny.py.
 GOLDEN = json.loads((FIXTURES / "init_checksums.json").read_text())
@@ -134,7 +134,7 @@ def _padded(spec, n) -> tuple:
 
 
 def test_checkpoint_written_before_the_modules_restores_and_continues(tmp_path):
-    """A checkpoint that the pre-module trainer wrote (tests/fixtures/pre_flax_checkpoint) restores
+    """A checkpoint that the pre-module trainer wrote (tests/support/fixtures/pre_flax_checkpoint) restores
     into the module-built state and trains on to the losses that trainer logged next."""
     workdir = shutil.copytree(FIXTURES / "pre_flax_checkpoint", tmp_path / "run")
     want = json.loads((workdir / "continuation.json").read_text())["losses"]

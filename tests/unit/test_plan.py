@@ -12,7 +12,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, small_config
+from support.runs import ROOT, small_config
 from test_layouts import LAYOUTS
 
 from jaxllm import plan

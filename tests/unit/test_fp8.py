@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import small_config
 from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals
 from jax.sharding import PartitionSpec as P
+from support.runs import small_config
 
 from jaxllm.config import REMAT_POLICIES
 from jaxllm.model import Decoder, Model, layers, params_of

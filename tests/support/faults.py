@@ -2,7 +2,7 @@
 poisoned batch (a NaN loss mask makes the step's loss and gradients non-finite), and a SIGKILL
 after a step or right after a save starts, as from an OOM killer or a lost node.
 
-    python tests/faults.py '{"kill_at_step": 9}' --config configs/tiny.py ...   # the train command, faulty
+    python tests/support/faults.py '{"kill_at_step": 9}' --config configs/tiny.py ...   # the train command, faulty
 """
 
 import dataclasses
@@ -20,6 +20,13 @@ from jaxllm.train.loop import Hooks
 def poisoned(batch: dict) -> dict:
     """`batch` with a loss mask of NaN: the step that trains on it is non-finite."""
     return batch | {"loss_mask": np.full(batch["inputs"].shape, np.nan, np.float32)}
+
+
+def corrupt_arrays(step_dir) -> None:
+    """Overwrites a saved checkpoint step's array files with a few zero bytes: unreadable."""
+    for f in (step_dir / "state").rglob("*"):
+        if f.is_file() and f.stat().st_size > 1000:
+            f.write_bytes(b"\0" * 16)
 
 
 def kill_self() -> None:

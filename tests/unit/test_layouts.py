@@ -7,8 +7,8 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import small_config
 from jax.sharding import PartitionSpec as P
+from support.runs import small_config
 
 from jaxllm.model import Model
 from jaxllm.parallel.mesh import make_mesh

@@ -11,7 +11,7 @@ import chex
 import numpy as np
 import psutil
 import pytest
-from conftest import checkpoint_params, metrics, run, start_until_first_step, train_command
+from support.runs import checkpoint_params, metrics, run, start_until_first_step, train_command
 
 from jaxllm.checkpoint import load_params
 

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import small_config
 from jax.sharding import NamedSharding
+from support.runs import small_config
 
 from jaxllm.model import Model
 from jaxllm.model.cache import AXES, KVCache

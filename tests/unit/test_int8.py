@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import small_config, stdlib_glob
 from jax.sharding import PartitionSpec as P
+from support.runs import small_config, stdlib_glob
 
 from jaxllm import plan
 from jaxllm.checkpoint import load_params

@@ -1,18 +1,14 @@
-"""Checkpoints: restore onto other layouts, bit-exact resume after SIGKILL, corrupt and
-incompatible checkpoints, preemption, non-finite steps."""
+"""Checkpoints: restore onto other layouts and meshes, roll back, corrupt and incompatible checkpoints."""
 
-import json
-import signal
-import subprocess
-import sys
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, checkpoint_params, metrics, run, small_config, start_until_first_step, train_command
 from jax.sharding import PartitionSpec as P
+from support.faults import corrupt_arrays
+from support.runs import checkpoint_params, small_config
 
 from jaxllm.checkpoint import CheckpointError, load_params
 from jaxllm.config import ConfigError
@@ -145,12 +141,6 @@ def test_pipeline_checkpoint_restores_without_pipeline(tmp_path):
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
-def _corrupt(step_dir):
-    for f in (step_dir / "state").rglob("*"):
-        if f.is_file() and f.stat().st_size > 1000:
-            f.write_bytes(b"\0" * 16)  # an unreadable array
-
-
 def test_corrupt_latest_checkpoint_is_reported_moved_aside_and_passed_over(tmp_path, capsys):
     cfg = _config(data=8)
     mesh = make_mesh(cfg.parallel)
@@ -162,14 +152,14 @@ def test_corrupt_latest_checkpoint_is_reported_moved_aside_and_passed_over(tmp_p
         checkpoints.save(2, state, {"next_index": 2})
         checkpoints.save(4, state, {"next_index": 4})
         checkpoints.close()
-        _corrupt(directory / "4")
+        corrupt_arrays(directory / "4")
         restored = run.checkpointer(tmp_path).restore_latest()
         assert restored.step == 2
         report = [line for line in capsys.readouterr().out.splitlines() if "step 4 is unreadable" in line]
         assert len(report) == 1 and len(report[0]) < 400, report  # one line, not a TensorStore dump
         assert (directory / "4.unreadable").is_dir() and not (directory / "4").exists()  # renamed, never deleted
 
-        _corrupt(directory / "2")  # none readable: refused, and nothing is moved
+        corrupt_arrays(directory / "2")  # none readable: refused, and nothing is moved
         with pytest.raises(CheckpointError, match=r"none of the checkpoints \[2\]"):
             run.checkpointer(tmp_path).restore_latest()
         assert (directory / "2").is_dir()
@@ -193,76 +183,3 @@ def test_explicit_defaults_are_the_same_model_shape(saved):
         assert build_run(cfg, mesh).checkpointer(workdir).restore_latest().step == 3
 
 
-def _cli(workdir, *overrides, faults: dict | None = None, check=True):
-    """The train command; with `faults`, run by tests/faults.py with that fault plan."""
-    command = train_command(workdir, "--config.checkpoint.every_steps=4", "--config.parallel.data=8", *overrides)
-    if faults is not None:
-        command = [sys.executable, str(ROOT / "tests" / "faults.py"), json.dumps(faults), *command[3:]]
-    return run(command, check=check)
-
-
-def _losses(workdir):
-    return [(m["step"], m["loss"]) for m in metrics(workdir)]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("cli") / "full"
-    _cli(workdir)
-    return workdir
-
-
-# (fault plan, step the resume restores): checkpoints fall every 4 steps.
-KILLS = {
-    "before the first checkpoint": ({"kill_at_step": 3}, None),
-    # Checkpoints 4 and 8 hold different states; 8 is corrupted before the resume, which must move
-    # it aside, restore 4 and later save a new step 8.
-    "between checkpoints, latest corrupt": ({"kill_at_step": 9}, 4),
-    "during an async save": ({"kill_at_step": 8, "kill_during_save": True}, 4),
-}
-
-
-@pytest.mark.parametrize("kill,restores", KILLS.values(), ids=KILLS.keys())
-def test_sigkill_and_resume_is_bit_identical(uninterrupted, kill, restores):
-    workdir = uninterrupted.parent / ("killed" + "".join(str(v) for v in kill.values()))
-    proc = _cli(workdir, faults=kill, check=False)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
-    directory = workdir / "checkpoints"
-    if kill.get("kill_during_save"):
-        assert list(directory.glob("8.orbax-checkpoint-tmp*")), "the kill should leave a partial save of step 8"
-    if kill == {"kill_at_step": 9}:
-        assert (directory / "4").is_dir()
-        _corrupt(directory / "8")
-    resumed = _cli(workdir)
-    if restores is None:
-        assert "checkpoint: restored step" not in resumed.stdout
-    else:
-        assert f"checkpoint: restored step {restores} " in resumed.stdout
-    if kill == {"kill_at_step": 9}:
-        assert (directory / "8.unreadable").is_dir() and (directory / "8").is_dir()  # moved aside, saved anew
-    assert _losses(workdir) == _losses(uninterrupted)  # bit-identical, and cut back to one clean run
-    chex.assert_trees_all_equal(checkpoint_params(workdir, 12), checkpoint_params(uninterrupted, 12))
-
-
-def test_sigterm_saves_and_exits_cleanly(uninterrupted):
-    workdir = uninterrupted.parent / "preempted"
-    command = train_command(workdir, "--config.train.steps=400", "--config.checkpoint.every_steps=1000")
-    proc = start_until_first_step(command, workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-2000:]
-    step = int(out.split("preempted: checkpoint saved at step ")[1].split(";")[0])
-    assert (workdir / "checkpoints" / str(step)).is_dir()
-    resumed = _cli(workdir, f"--config.train.steps={step + 2}")
-    assert f"checkpoint: restored step {step}" in resumed.stdout
-    assert _losses(workdir)[-1][0] == step + 2
-
-
-def test_non_finite_steps_are_skipped_then_rolled_back(uninterrupted):
-    workdir = uninterrupted.parent / "nan"
-    proc = _cli(workdir, "--config.checkpoint.max_bad_steps=2", faults={"nan_at_steps": [3, 6, 7]})
-    out = proc.stdout
-    assert "step 3: non-finite loss or gradients, update skipped (1 in a row)" in out
-    assert "step 7: back to the params of step 4; the batches since are skipped" in out
-    last = metrics(workdir)[-1]
-    assert last["step"] == 12 and last["skipped_total"] == 3 and np.isfinite(last["loss"])

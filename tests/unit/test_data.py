@@ -9,7 +9,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import small_config, stdlib_glob
+from support.runs import small_config, stdlib_glob
 
 from jaxllm.config import ConfigError
 from jaxllm.data.corpus import CorpusError

@@ -13,7 +13,7 @@ import time
 import httpx
 import openai
 import pytest
-from serving import http_server, metric_values, wait_for
+from support.serving import http_server, metric_values, wait_for
 
 from jaxllm.serve import generation as generation_module
 from jaxllm.serve.generation import Limits, Request, RequestFailed, Unavailable

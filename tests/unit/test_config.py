@@ -3,7 +3,7 @@
 import dataclasses
 
 import pytest
-from conftest import small_config
+from support.runs import small_config
 
 from jaxllm.config import ConfigError, RunConfig, apply_overrides, base_config, load_config, validate
 from jaxllm.serve.settings import ServeConfig, serving_config

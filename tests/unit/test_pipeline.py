@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import metrics, run, small_config, train_command
-from reference_model import reference_loss
+from support.reference_model import reference_loss
+from support.runs import metrics, run, small_config, train_command
 
 from jaxllm.model import Model
 from jaxllm.parallel.mesh import make_mesh

@@ -17,8 +17,8 @@ import jax
 import numpy as np
 import openai
 import pytest
-from conftest import ROOT, checkpoint_params, device_env, run, train_command
-from serving import metric_values, wait_for
+from support.runs import ROOT, checkpoint_params, device_env, run, train_command
+from support.serving import metric_values, wait_for
 
 from jaxllm.checkpoint import load_params, stored_config
 from jaxllm.data.tokenizer import load_saved_tokenizer

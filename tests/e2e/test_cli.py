@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from support.runs import ROOT
 
 from jaxllm import cli
 from jaxllm.config import ConfigError, RunConfig

@@ -15,9 +15,9 @@ import openai
 import pytest
 import safetensors.numpy
 import tokenizers
-from conftest import ROOT, device_env, small_config
 from flax import nnx
-from numpy_llama import greedy, logits
+from support.numpy_llama import greedy, logits
+from support.runs import ROOT, device_env, small_config
 
 from jaxllm.checkpoint import load_params, write_export
 from jaxllm.checkpoint.hf.config import ConversionError, check_llama, fine_tuning_config

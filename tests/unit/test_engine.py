@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import checkpoint_params, small_config
-from serving import http_server, metric_values
+from support.runs import checkpoint_params, small_config
+from support.serving import http_server, metric_values
 
 from jaxllm.config import ConfigError
 from jaxllm.model.cache import Int8, KVCache, read

@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import small_config
 from flax import nnx
-from reference_model import reference_logits, reference_loss
+from support.reference_model import reference_logits, reference_loss
+from support.runs import small_config
 
 from jaxllm import plan
 from jaxllm.config import load_config

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import small_config
+from support.runs import small_config
 
 from jaxllm.config import ConfigError, validate
 from jaxllm.model import layers

@@ -4,8 +4,8 @@ import re
 
 import jax
 import jax.numpy as jnp
-from conftest import small_config
 from flax import nnx
+from support.runs import small_config
 
 from jaxllm.model import Model
 from jaxllm.model.layers import make_context

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, small_config
+from support.runs import ROOT, small_config
 
 from jaxllm import plan
 from jaxllm.config import load_config

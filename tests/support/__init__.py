@@ -1,0 +1,1 @@
+"""Helpers and independent references shared by the unit and end-to-end tests."""
