@@ -335,7 +335,8 @@ def with_tokenizer(directory: pathlib.Path) -> None:
     )
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|pad|>", "eos_token": {"content": "<|endoftext|>"}, "chat_template": CHAT}))  # fmt: skip
+        {"bos_token": "<|pad|>", "eos_token": {"__type": "AddedToken", "content": "<|endoftext|>", "special": True},
+         "chat_template": CHAT}))  # fmt: skip
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [tokenizer.eos_id, 7]}))
 
 
@@ -478,11 +479,17 @@ try:
     import transformers
 except ImportError:
     torch = transformers = None
-needs_hf = pytest.mark.skipif(torch is None, reason="needs the hf extra (torch, transformers): pip install -e '.[hf]'")
 
 
-def transformers_llama(directory: pathlib.Path, **config):
-    """A random LlamaForCausalLM built and saved by transformers itself."""
+def needs_hf(test):
+    """Marked `hf` (CI installs the extra and runs `pytest -m hf`); skipped where it is missing."""
+    reason = "needs the hf extra (torch, transformers): pip install -e '.[hf]'"
+    return pytest.mark.hf(pytest.mark.skipif(torch is None, reason=reason)(test))
+
+
+def transformers_llama(directory: pathlib.Path, dtype="float32", max_shard_size="50GB", **config):
+    """A random LlamaForCausalLM built and saved by transformers itself, in `dtype`, in files of at
+    most `max_shard_size`; returned in float32 on the saved (rounded) weights."""
     torch.manual_seed(0)
     llama_config = transformers.LlamaConfig(
         vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -493,8 +500,8 @@ def transformers_llama(directory: pathlib.Path, **config):
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.add_(0.1 * torch.randn_like(param))
-    model.save_pretrained(directory)
-    return model
+    model.to(getattr(torch, dtype)).save_pretrained(directory, max_shard_size=max_shard_size)
+    return transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
 
 
 def transformers_logits(model, tokens) -> np.ndarray:
@@ -502,15 +509,24 @@ def transformers_logits(model, tokens) -> np.ndarray:
         return model(torch.tensor(tokens)).logits.numpy()
 
 
+PROMPT_TEXT = "Bring a Llama: python -m jaxllm.convert from-hf"
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}  # fmt: skip
+
+
 @needs_hf
 @pytest.mark.parametrize(
     "config",
     [dict(num_key_value_heads=4, tie_word_embeddings=False),
-     dict(num_key_value_heads=2, tie_word_embeddings=True, rope_theta=50000.0)],
-    ids=["mha-untied", "gqa-tied-theta"],
+     dict(num_key_value_heads=2, tie_word_embeddings=True, rope_theta=50000.0),
+     dict(num_key_value_heads=2, rope_scaling=LLAMA3, max_shard_size="60KB"),
+     dict(num_key_value_heads=4, rope_scaling={"rope_type": "linear", "factor": 2.0}, dtype="bfloat16")],
+    ids=["mha-untied", "gqa-tied-theta", "gqa-llama3-sharded", "mha-linear-bf16"],
 )  # fmt: skip
 def test_transformers_llama_imports_with_equal_logits_and_greedy_tokens(tmp_path, config):
     model = transformers_llama(tmp_path / "hf", **config)
+    if "max_shard_size" in config:
+        assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 2
     ref = transformers_logits(model, TOKENS)
     assert ref.std() > 1
     np.testing.assert_allclose(our_logits(tmp_path / "hf", TOKENS), ref, rtol=1e-4, atol=1e-4)
@@ -524,12 +540,15 @@ def test_transformers_llama_imports_with_equal_logits_and_greedy_tokens(tmp_path
 
 @needs_hf
 @pytest.mark.parametrize(
-    "model", [dict(), dict(tie_embeddings=True, num_kv_heads=2, rope_theta=5e4), dict(qkv_share_every=2)],
-    ids=["untied", "tied-gqa-theta", "expanded-shared-qkv"],
+    "model,scaling",
+    [(dict(), dict(type="llama3", factor=4.0, low_freq_factor=2.0, high_freq_factor=8.0, original_max_len=32)),
+     (dict(tie_embeddings=True, num_kv_heads=2, rope_theta=5e4), dict(type="linear", factor=2.0)),
+     (dict(qkv_share_every=2), dict(type="llama3", factor=4.0, original_max_len=32))],
+    ids=["untied-llama3", "tied-gqa-theta-linear", "expanded-shared-qkv"],
 )  # fmt: skip
-def test_export_loads_in_transformers_with_equal_logits(tmp_path, model):
+def test_export_loads_in_transformers_with_equal_logits(tmp_path, model, scaling):
     cfg = own_export(tmp_path / "export", **model)
-    cfg = cfg.updated(model=dict(rope_scaling=dict(type="llama3", factor=4.0, original_max_len=32)))
+    cfg = cfg.updated(model=dict(rope_scaling=scaling))
     write_export(tmp_path / "export", cfg, load_params(tmp_path / "export")[1], 7)
     to_hf(tmp_path / "export", tmp_path / "hf", expand_shared_qkv=True)
     theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
@@ -540,4 +559,43 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, model):
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "hf").encode(PROMPT_TEXT) == ours.encode(PROMPT_TEXT)
 
 
-PROMPT_TEXT = "Bring a Llama: python -m jaxllm.convert from-hf"
+@needs_hf
+def test_a_models_tokenizer_files_read_as_transformers_reads_them(tmp_path):
+    """bos before every prompt, the same ids and text, and generation_config's stop ids."""
+    hand_built(tmp_path / "hf")
+    with_tokenizer(tmp_path / "hf")
+    ours = get_tokenizer(tmp_path / "hf")
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    for text in (PROMPT_TEXT, "naïve café — 東京 <|endoftext|> tabs\tand\nlines"):
+        ids = theirs.encode(text)
+        assert ids == [*ours.prompt_prefix, *ours.encode(text)]
+        assert theirs.decode(ids[1:]) == ours.decode(ids[1:])
+    assert (theirs.bos_token_id, theirs.eos_token_id) == (ours.bos_id, ours.eos_id)
+    stops = transformers.GenerationConfig.from_pretrained(tmp_path / "hf").eos_token_id
+    assert set(stops) == ours.stop_ids
+
+
+# A Llama 3.1-style template: tool calls as JSON (tojson keeps non-ASCII and <, >), trimmed blocks.
+TOOL_TEMPLATE = """{{ bos_token }}{% for m in messages %}
+{% if m.tool_calls is defined %}{{ m.role }}: {{ m.tool_calls | tojson }}
+{% else %}{{ m.role }}: {{ m.content | trim }}{{ eos_token }}
+{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}assistant:{% endif %}"""
+
+
+@needs_hf
+@pytest.mark.parametrize("template", [OWN_TEMPLATE, TOOL_TEMPLATE, CHAT], ids=["loop-controls", "tojson", "plain"])
+def test_a_models_own_chat_template_renders_as_transformers_renders_it_there(tmp_path, template):
+    hand_built(tmp_path / "hf")
+    with_tokenizer(tmp_path / "hf")
+    messages = [
+        {"role": "system", "content": "  Réponds en français. <b>&</b>  "},
+        {"role": "user", "content": "Quel temps fait-il à 東京 ?"},
+        {"role": "assistant", "tool_calls": [{"name": "météo", "arguments": {"ville": "東京", "unité": "<°C>"}}]},
+    ]
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    tokens = {"bos_token": theirs.bos_token, "eos_token": theirs.eos_token}
+    ours = ChatTemplate(template, tokens, "the test's template", transformers_style=True)
+    expected = theirs.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+    assert ours.render(messages) == expected
