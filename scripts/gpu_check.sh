@@ -6,8 +6,8 @@
 # count of the cuBLASLt FP8 GEMMs in the optimized HLO (scripts/bench_fp8.py, which fails when a
 # projection is not one), and the fused attention kernels against XLA attention
 # (scripts/bench_attention.py), and the serving engine's Pallas paged-attention kernel against its
-# XLA path (tests/unit/test_engine.py, which needs pytest there). Packages the GPU image lacks come as wheels in .whl/ (see README,
-# "Benchmarks"); results go to $OUT when set, else to stdout only.
+# XLA path (tests/unit/test_engine.py, which needs pytest there). Packages the GPU image lacks come as wheels in .whl/ (see
+# docs/benchmarks.md, "GPU"); results go to $OUT when set, else to stdout only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then

@@ -27,6 +27,9 @@ RETIRED_SECTIONS = ("debug", "serve")  # in configs stored before: fault injecti
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling(Section):
+    """RoPE frequencies stretched for long context: `linear` (every frequency divided by `factor`) or
+    Llama 3.1's `llama3` ramp between scaled and kept wavelengths."""
+
     name: ClassVar[str] = "model.rope_scaling"
     type: RopeScalingType = field("none", "'none', 'linear' (every frequency / factor) or 'llama3' (Llama 3.1's ramp)")
     factor: float = field(1.0, "how far the context is stretched")
@@ -46,6 +49,9 @@ class RopeScaling(Section):
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Config(Section):
+    """The seven dense projections (q, k, v, o_proj, gate, up, down) in FP8 with per-tensor current
+    scaling: e4m3 operands forward, e5m2 gradients backward, fp32 accumulation."""
+
     name: ClassVar[str] = "model.fp8"
     enabled: bool = field(False, "the dense projections in FP8: e4m3 forward, e5m2 gradients, current scaling")
     amax_reduce: AmaxReduce = field("global", "'local' skips the amax reduction over tensor (layouts then differ)")
@@ -153,6 +159,9 @@ class Schedule(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig(Section):
+    """The device mesh (`data`, `fsdp`, `stage`, `tensor`; one size may be -1: the remaining devices),
+    the pipeline's schedule, and where the optimizer state lives."""
+
     name: ClassVar[str] = "parallel"
     data: int = field(-1, "data-parallel replicas (-1: what the other sizes leave of the devices)")
     fsdp: int = field(1, "devices the params and optimizer state are sharded over (ZeRO-3)")
@@ -212,6 +221,9 @@ class ParallelConfig(Section):
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig(Section):
+    """The steps and batch, AdamW with linear warmup and cosine decay to `lr · min_lr_ratio`, and the
+    sample printed at the end of training."""
+
     name: ClassVar[str] = "train"
     steps: int = field(100, "optimizer steps")
     batch_size: int = field(8, "sequences per step")
@@ -248,6 +260,8 @@ class TrainConfig(Section):
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig(Section):
+    """The corpus, its tokenizer, where it is prepared, and the validation loss's cadence."""
+
     name: ClassVar[str] = "data"
     inputs: str = field("stdlib", "comma-separated globs, 'stdlib', or pkg:PACKAGE/GLOB")
     tokenizer: str = field("bpe", "'gpt2', a path to a tokenizer.json, or 'bpe': train one on the inputs")
@@ -265,12 +279,17 @@ class DataConfig(Section):
 
 @dataclasses.dataclass(frozen=True)
 class InitConfig(Section):
+    """Where the weights start: a fresh initialisation from `train.seed`, or a Hugging Face Llama."""
+
     name: ClassVar[str] = "init"
     hf: str | None = field(None, "a Hugging Face Llama directory to fine-tune: its architecture, tokenizer and weights")
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig(Section):
+    """When checkpoints are saved, which are kept, and how many non-finite steps in a row roll a run
+    back."""
+
     name: ClassVar[str] = "checkpoint"
     every_steps: int = field(100, "steps between saves (0: not by steps)")
     every_minutes: float = field(0.0, "minutes between saves (0: not by time)")

@@ -18,6 +18,9 @@ DEFAULT_MAX_LEN = 8192  # a slot's length unless set: a 128k-context model would
 
 @dataclasses.dataclass(frozen=True)
 class ServeConfig(Section):
+    """What a server is set to: its slots and paged KV cache, the serving dtype and mesh, where it
+    listens, and its guards (rate limits, body limits, the queue, deadlines, the perplexity alarm)."""
+
     name: ClassVar[str] = "serve"
     slots: int = field(8, "requests decoded together, one KV-cache slot each")
     max_len: int | None = field(None, f"tokens a slot holds, prompt and output (None: model.max_seq_len, at most "

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import openai
 import pytest
+from support.docs import runnable_block
 from support.runs import ROOT, checkpoint_params, device_env, run, train_command
 from support.serving import metric_values, wait_for
 
@@ -232,15 +233,14 @@ def test_a_list_of_prompts_gives_each_its_choices(served):
     assert both.usage.prompt_tokens == len(prompts[0]) + len(prompts[1])
 
 
-def test_readme_examples_run_against_the_server(served):
-    """The README's curl and openai-client examples, pointed at this server and its key."""
-    readme = (ROOT / "README.md").read_text()
+def test_docs_examples_run_against_the_server(served):
+    """The serving page's curl and openai-client examples, pointed at this server and its key."""
     port, auth = served["port"], f"-H 'Authorization: Bearer {KEY}'"
-    curl = re.search(r"<!-- curl-snippet -->\n```bash\n(.*?)```", readme, re.S).group(1)
+    curl = runnable_block("docs/serving.md", "curl-snippet")
     curl = curl.replace("8000", str(port)).replace("curl ", f"curl {auth} ")
     out = subprocess.run(["bash", "-euo", "pipefail", "-c", curl], capture_output=True, text=True, check=True).stdout
     assert '"object":"text_completion"' in out and out.rstrip().endswith("data: [DONE]")
-    client = re.search(r"<!-- openai-snippet -->\n```python\n(.*?)```", readme, re.S).group(1)
+    client = runnable_block("docs/serving.md", "openai-snippet")
     client = client.replace("8000", str(port)).replace('"unused-without-keys"', repr(KEY))
     out = subprocess.run([sys.executable, "-c", client], capture_output=True, text=True, check=True).stdout
     assert out
@@ -439,7 +439,7 @@ def test_unauthenticated_clients_learn_nothing_and_their_floods_are_rate_limited
     assert served["client"].request("GET", "/v1/models")[0] == 200
 
 
-# Each guard in the README's order, with what breaks it in a body; a request that breaks several
+# Each guard in the order docs/serving.md gives, with what breaks it in a body; a request that breaks several
 # is answered by the first.
 ORDER = ["key", "size", "json", "unsupported", "field", "model", "context", "deny"]
 ANSWERS = {

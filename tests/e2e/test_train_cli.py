@@ -7,7 +7,8 @@ import sys
 
 import numpy as np
 import pytest
-from support.runs import ROOT, cli_data_flags, metrics, run, train_command
+from support.docs import runnable_block
+from support.runs import cli_data_flags, metrics, run, train_command
 
 from jaxllm.data.tokenizer import load_saved_tokenizer
 from jaxllm.export import export
@@ -60,11 +61,10 @@ def test_cli_run_is_served_with_its_own_tokenizer(cli_run, tmp_path):
     assert refused.returncode == 1 and "that the model was trained with" in refused.stderr, refused.stderr
 
 
-def test_readme_bring_a_llama_commands_run_as_written(cli_run, tmp_path):
-    """The README's try-it commands on this run: to-hf with the shared QKV expanded, serve --hf,
-    from-hf, and a fine-tune that starts from the run's trained weights."""
-    readme = (ROOT / "README.md").read_text()
-    block = re.search(r"<!-- llama-commands -->\n```bash\n(.*?)```", readme, re.S).group(1)
+def test_docs_bring_a_llama_commands_run_as_written(cli_run, tmp_path):
+    """The Hugging Face page's try-it commands on this run: to-hf with the shared QKV expanded,
+    serve --hf, from-hf, and a fine-tune that starts from the run's trained weights."""
+    block = runnable_block("docs/huggingface.md", "llama-commands")
     paths = {"runs/tiny": cli_run[2], "exports/llama-tiny": tmp_path / "export", "llama-tiny": tmp_path / "llama",
              "runs/llama-tiny-ft": tmp_path / "ft"}  # fmt: skip
 
@@ -85,12 +85,19 @@ def test_readme_bring_a_llama_commands_run_as_written(cli_run, tmp_path):
     assert first["step"] == 1 and first["loss"] < cli_run[1][-1]["loss"] + 0.3  # the trained weights, not a fresh init
 
 
-def test_readme_serving_snippet_runs_as_written(cli_run, capsys):
-    readme = (ROOT / "README.md").read_text()
-    snippet = re.search(r"<!-- serve-snippet -->\n```python\n(.*?)```", readme, re.S).group(1)
-    exec(compile(snippet.replace('"runs/tiny"', repr(str(cli_run[2]))), "README.md (serving)", "exec"), {})
+def test_docs_serving_snippet_runs_as_written(cli_run, capsys):
+    snippet = runnable_block("docs/serving.md", "serve-snippet")
+    exec(compile(snippet.replace('"runs/tiny"', repr(str(cli_run[2]))), "docs/serving.md (engine)", "exec"), {})
     lines = capsys.readouterr().out.strip().splitlines()[-2:]
     assert len(lines) == 2 and all(line.split()[0] in ("stop", "length") for line in lines), lines
+
+
+def test_docs_offline_prompts_run_as_written(cli_run):
+    """The serving page's `--prompt` command on this run."""
+    line = runnable_block("docs/serving.md", "offline-prompts").strip()
+    out = run([sys.executable, *shlex.split(line.replace("runs/tiny", str(cli_run[2])))[1:]]).stdout
+    assert re.search(r"--- 'def read_config\(path\):' \((length|stop), \d+ tokens\)\n", out), out
+    assert "--- 'import ' (" in out
 
 
 def test_cli_is_deterministic_across_layouts(cli_run):

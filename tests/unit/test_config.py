@@ -3,9 +3,10 @@
 import dataclasses
 
 import pytest
-from support.runs import small_config
+from support.runs import ROOT, small_config
 
-from jaxllm.config import ConfigError, RunConfig, apply_overrides, base_config, load_config, validate
+from jaxllm import reference
+from jaxllm.config import ConfigError, RunConfig, Section, apply_overrides, base_config, load_config, validate
 from jaxllm.serve.settings import ServeConfig, serving_config
 
 CASES = {
@@ -200,3 +201,20 @@ def test_unknown_override_is_refused():
         apply_overrides(base_config(ServeConfig), {"serve.slot": 4})
     with pytest.raises(ConfigError, match="serve.slot: the config has no such field"):
         ServeConfig.from_dict({"slot": 4})
+
+
+def test_docs_configuration_page_is_what_the_reference_prints_today():
+    """Every field of every section, nested ones and the server's included, has a row."""
+
+    def leaves(section: Section, prefix: str):
+        for f in dataclasses.fields(section):
+            value, name = getattr(section, f.name), f"{prefix}.{f.name}".lstrip(".")
+            yield from leaves(value, name) if isinstance(value, Section) else [name]
+
+    text = reference.page()
+    names = [*leaves(RunConfig(), ""), *leaves(ServeConfig(), "serve")]
+    assert "model.rope_scaling.factor" in names and "model.fp8.enabled" in names and "serve.slots" in names
+    assert not [name for name in names if f"| `{name}` |" not in text], "every field has a row"
+    assert (ROOT / "docs" / "configuration.md").read_text() == text, (
+        "run: python -m jaxllm.reference > docs/configuration.md"
+    )

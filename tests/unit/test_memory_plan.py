@@ -3,10 +3,12 @@ train step, on layouts that compile in seconds; the 120B budget in its own dry r
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 
 import pytest
+from support.docs import runnable_block
 from support.runs import ROOT, small_config
 
 from jaxllm import plan
@@ -49,8 +51,11 @@ def test_planned_memory_follows_the_compiler(layout):
 
 def test_120b_fits_an_80gb_gpu_with_headroom_in_its_dry_run():
     """The whole 120B step on 64 fake devices: peak ≤ 67 GiB (80 GB less 10 %), and the planner's
-    memory and collectives beside the compiler's figures, within 10 % of them."""
-    cmd = [sys.executable, "-m", "jaxllm.train", "--config", "configs/120b.py", "--dry-run"]
+    memory and collectives beside the compiler's figures, within 10 % of them. The command is the
+    training page's, as written."""
+    python, *args = shlex.split(runnable_block("docs/training.md", "dry-run-120b"), comments=True)
+    assert python == "python", python
+    cmd = [sys.executable, *args]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,6 +1,6 @@
 """The Flax NNX modules: initial values frozen from the code before them, the plain-dict boundary,
-Flax's own sharding view under our rules, checkpoints written before them, and the README's Flax
-snippet run as written."""
+Flax's own sharding view under our rules, checkpoints written before them, and the Flax snippet of
+docs/model.md run as written."""
 
 import hashlib
 import json
@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from support.docs import runnable_block
 from support.runs import ROOT, small_config
 
 from jaxllm.checkpoint import load_params, saved_config
@@ -165,9 +166,8 @@ def test_checkpoint_written_before_the_modules_restores_and_continues(tmp_path):
     np.testing.assert_allclose(module(tokens), functional, rtol=1e-5, atol=1e-5)
 
 
-def test_readme_flax_snippet_runs_as_written(capsys):
-    readme = (ROOT / "README.md").read_text()
-    snippet = re.search(r"<!-- flax-snippet -->\n```python\n(.*?)```", readme, re.S).group(1)
-    exec(compile(snippet, "README.md (Flax snippet)", "exec"), {})
+def test_docs_flax_snippet_runs_as_written(capsys):
+    snippet = runnable_block("docs/model.md", "flax-snippet")
+    exec(compile(snippet, "docs/model.md (Flax snippet)", "exec"), {})
     losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", capsys.readouterr().out)]
     assert len(losses) == 3 and losses[-1] < losses[0], losses

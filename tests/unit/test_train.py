@@ -125,7 +125,7 @@ def test_non_finite_steps_are_counted_one_step_late_without_waiting_on_the_step_
 
 
 def _reference_optimizer(train) -> optax.GradientTransformation:
-    """The optimizer the README describes, written here from optax parts: clip by global norm,
+    """The optimizer docs/training.md describes, written here from optax parts: clip by global norm,
     Adam, decoupled weight decay on everything but norm scales, linear warmup then cosine decay
     to `min_lr_ratio` of the peak at the last step."""
 

@@ -1,0 +1,85 @@
+"""The README and docs/: every bash and python block is run by a test or says why it cannot be,
+every test file the pages name exists, the pages agree with the code they describe, and the
+planner's commands run as written."""
+
+import collections
+import os
+import re
+import subprocess
+import tomllib
+
+from support.docs import ROOT, all_blocks, blocks, pages, runnable_block
+
+CODE = {"bash", "sh", "shell", "console", "python", "py", "pycon"}
+
+
+def test_every_code_block_is_marked_runnable_or_says_why_not():
+    blocks_ = all_blocks()
+    unnamed = [str(b) for b in blocks_ if not b.language]
+    assert not unnamed, f"fences without a language (use ```text for output): {unnamed}"
+    unmarked = [str(b) for b in blocks_ if b.language in CODE and b.kind is None]
+    assert not unmarked, (
+        "code blocks without a marker on the line before the fence: <!-- runnable: NAME --> (and a test that "
+        f"runs it through support.docs.runnable_block) or <!-- not-run: REASON -->: {unmarked}"
+    )
+    blank = [str(b) for b in blocks_ if b.kind in ("runnable", "not-run") and not b.label]
+    assert not blank, f"a runnable block needs a name, a not-run block a reason: {blank}"
+    commands = [b for b in blocks_ if b.kind == "test-command"]
+    assert [b.page for b in commands] == ["README.md"], "one test command, in the README (.ci/run reads it)"
+    assert "<!-- test-command -->" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_every_marker_is_right_before_a_fence():
+    for page in pages():
+        lines = page.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if re.match(r"^<!-- (runnable|not-run|test-command)\b", line):
+                following = lines[i + 1] if i + 1 < len(lines) else ""
+                assert following.startswith("```"), f"{page.relative_to(ROOT)}:{i + 1}: a marker not before a fence"
+
+
+def test_every_runnable_block_is_run_by_a_test():
+    """Read statically: some test under tests/ passes the block's page and name to runnable_block."""
+    runnable = [b for b in all_blocks() if b.kind == "runnable"]
+    names = collections.Counter(b.label for b in runnable)
+    assert not [n for n, k in names.items() if k > 1], f"runnable names must be unique across pages: {names}"
+    sources = "\n".join(p.read_text() for p in (ROOT / "tests").rglob("*.py"))
+    calls = set(re.findall(r"runnable_block\(\s*[\"']([^\"']+)[\"'],\s*[\"']([^\"']+)[\"']\s*\)", sources))
+    missing = [str(b) + f" {b.label!r}" for b in runnable if (b.page, b.label) not in calls]
+    assert not missing, f"runnable blocks no test runs (call support.docs.runnable_block(PAGE, NAME)): {missing}"
+    unknown = sorted(calls - {(b.page, b.label) for b in runnable})
+    assert not unknown, f"tests ask for blocks no page marks runnable: {unknown}"
+
+
+def test_the_test_files_the_pages_name_exist():
+    named = {m for page in pages() for m in re.findall(r"\btests/[\w/]+\.py\b", page.read_text())}
+    missing = [n for n in sorted(named) if not (ROOT / n).exists()]
+    assert named and not missing, f"the pages name test files that do not exist: {missing}"
+
+
+def test_the_readme_and_the_site_list_every_page():
+    docs = {p.name for p in (ROOT / "docs").glob("*.md")}
+    readme = {"index.md"}  # the site's home: the README's counterpart
+    readme |= set(re.findall(r"\(docs/([\w-]+\.md)\)", (ROOT / "README.md").read_text()))
+    assert readme == docs, f"the README's map of the docs: missing {docs - readme}, unknown {readme - docs}"
+    nav = set(re.findall(r":\s*([\w-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M))
+    assert nav == docs, f"mkdocs.yml's nav: missing {docs - nav}, unknown {nav - docs}"
+
+
+def test_the_architecture_page_lists_the_import_contracts_layers():
+    layers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]["layers"]
+    page = ROOT / "docs" / "architecture.md"
+    listed = next(b.code for b in blocks(page) if b.language == "text" and b.code.startswith("jaxllm.convert"))
+    assert listed.splitlines() == layers, "copy the layers of pyproject.toml's [tool.importlinter] contract"
+
+
+def test_docs_planner_commands_run_as_written():
+    """The planner page's commands, in the repo root: the 120B weights line the precision page
+    quotes and the count of layouts the planner page gives are what they print."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", runnable_block("docs/planner.md", "plan-120b")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    quoted = re.search(r"^weights, GB: .*$", (ROOT / "docs" / "precision.md").read_text(), re.M).group(0)
+    assert quoted in done.stdout.splitlines()
+    assert "layouts for 64 × A100: 960 pass the config's checks, 56 fit" in done.stdout  # as the page says
