@@ -6,18 +6,22 @@ a temporary directory and renames it when complete, so a crash mid-save leaves n
 finished). A restore reads straight into the run's own layout: the canonical state is split over
 the same devices as in training, then resharded to the pipeline view. A step that cannot be read
 is reported in one line and moved aside (renamed, never deleted), so the resumed run can save that
-step again; every process skips the same steps.
+step again; every process skips the same steps. So is one whose arrays read back with other bits
+than were saved: the metadata holds a checksum of each array, checked at every restore.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
@@ -38,15 +42,63 @@ class CheckpointError(JaxllmError):
     """Checkpoints that cannot serve this run; the message says which and what to do."""
 
 
-def saved_config(workdir: str | pathlib.Path, step: int | None = None) -> RunConfig:
-    """The config stored with checkpoint `step` (default: the latest) of `workdir`."""
+def saved_meta(workdir: str | pathlib.Path, step: int | None = None) -> dict:
+    """The metadata stored with checkpoint `step` (default: the latest) of `workdir`."""
     manager = ocp.CheckpointManager(pathlib.Path(workdir).absolute() / "checkpoints", item_names=("meta",))
     step = manager.latest_step() if step is None else step
     if step is None:
         raise CheckpointError(f"{workdir} has no checkpoints; pass the --workdir of a training run")
-    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    manager.close()
-    return RunConfig.from_dict(meta["config"])
+    try:
+        return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    finally:
+        manager.close()
+
+
+def saved_config(workdir: str | pathlib.Path, step: int | None = None) -> RunConfig:
+    """The config stored with checkpoint `step` (default: the latest) of `workdir`."""
+    return RunConfig.from_dict(saved_meta(workdir, step)["config"])
+
+
+@jax.jit
+def _bit_sums(leaves: list[jax.Array]) -> list[jax.Array]:
+    """Per array, the sum of its elements' bits times odd weights that follow their positions, mod
+    2**32: exact in any order, so the same on every mesh and layout, and any one changed element
+    changes it (an odd weight is invertible mod 2**32)."""
+
+    def bit_sum(x):
+        bits = x if x.dtype == bool else jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+        index = jnp.zeros(x.shape, jnp.uint32)  # the flat position, mod 2**32
+        for axis in range(x.ndim):
+            stride = np.uint32(math.prod(x.shape[axis + 1 :]) % 2**32)
+            index += jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis) * stride
+        return jnp.sum(bits.astype(jnp.uint32) * (2 * index + 1), dtype=jnp.uint32)
+
+    return [bit_sum(x) for x in leaves]
+
+
+def checksums(state: State) -> dict[str, list]:
+    """{path: [dtype, checksum]} of each array in `state`: saved in the metadata, so that arrays
+    that read back silently changed (a flipped bit on disk or on the wire) are caught at restore."""
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    with jax.set_mesh(None):  # whatever mesh is current: the arrays say where they are
+        sums = _bit_sums([x for _, x in leaves])
+    return {
+        jax.tree_util.keystr(path): [str(x.dtype), int(s.addressable_data(0))]
+        for (path, x), s in zip(leaves, sums, strict=True)
+    }
+
+
+def check_checksums(meta: dict, state: State) -> None:
+    """Raises ValueError (as for an unreadable checkpoint), once `state`'s arrays are freed, if any
+    of them was read back with other bits than the checkpoint with `meta` saved. Arrays read into
+    another dtype and checkpoints saved without checksums are not checked."""
+    saved = meta.get("checksums", {})
+    changed = [k for k, v in checksums(state).items() if k in saved and saved[k][0] == v[0] and saved[k] != v]
+    if changed:
+        for array in jax.tree.leaves(state):
+            array.delete()
+        more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
+        raise ValueError(f"checksum mismatch: {changed[0]}{more} read back other values than were saved")
 
 
 @dataclasses.dataclass
@@ -66,7 +118,8 @@ def _everyone(flag: bool) -> bool:
 class Checkpointer:
     """Saves every `checkpoint.every_steps` steps and/or `every_minutes` minutes, keeps the last
     `keep` plus every `keep_every`-th step for good. `canonical` is the state as checkpoints hold
-    it (abstract arrays with the shardings to read into); `shardings` the run's own."""
+    it (abstract arrays with the shardings to read into); `shardings` the run's own; `clock` gives
+    the seconds that `every_minutes` counts."""
 
     def __init__(
         self,
@@ -75,6 +128,7 @@ class Checkpointer:
         mesh: Mesh,
         canonical: State,
         shardings: State,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.cfg, self.mesh, self.canonical, self.shardings = cfg, mesh, canonical, shardings
         self.schedule = cfg.parallel.schedule
@@ -87,7 +141,8 @@ class Checkpointer:
         )
         self.directory = pathlib.Path(workdir).absolute() / "checkpoints"
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "meta"))
-        self._last_save = time.monotonic()
+        self.clock = clock
+        self._last_save = clock()
 
     def due(self, step: int) -> bool:
         c = self.cfg.checkpoint
@@ -95,29 +150,31 @@ class Checkpointer:
             return True
         if c.every_minutes <= 0:
             return False
-        by_time = time.monotonic() - self._last_save >= 60 * c.every_minutes
+        by_time = self.clock() - self._last_save >= 60 * c.every_minutes
         if jax.process_count() > 1:  # every process must take the same decision: process 0's clock rules
             by_time = bool(multihost_utils.broadcast_one_to_all(np.asarray(by_time)))
         return by_time
 
     def save(self, step: int, state: State, data_state: dict) -> None:
         """Starts an asynchronous save of `state` as it is now; returns once the arrays are copied."""
+        canonical = to_canonical(state, self.schedule)
         meta = {
             "step": step,
             "version": jaxllm.__version__,
             "mesh": dict(self.mesh.shape),
             "config": self.cfg.to_dict(),
+            "checksums": checksums(canonical),
         }
         self.manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(to_canonical(state, self.schedule)),
+                state=ocp.args.StandardSave(canonical),
                 data=ocp.args.JsonSave(data_state),
                 meta=ocp.args.JsonSave(meta),
             ),
             force=True,
         )
-        self._last_save = time.monotonic()
+        self._last_save = self.clock()
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -141,6 +198,7 @@ class Checkpointer:
                         state=ocp.args.StandardRestore(self.canonical), data=ocp.args.JsonRestore()
                     ),
                 )
+                check_checksums(meta, restored["state"])
             except UNREADABLE as e:
                 if isinstance(e, JaxllmError):
                     raise

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from jaxllm.checkpoint.hf.config import is_hf_dir
 from jaxllm.checkpoint.hf.directory import read_hf_params, stored_hf_config
-from jaxllm.checkpoint.manager import UNREADABLE, CheckpointError, saved_config
+from jaxllm.checkpoint.manager import UNREADABLE, CheckpointError, check_checksums, saved_config, saved_meta
 from jaxllm.config import ModelConfig, ParallelConfig, RunConfig
 from jaxllm.model.decoder import Model
 from jaxllm.model.int8 import int8_model, quantize_weight
@@ -151,8 +151,10 @@ def _read_params(
     steps = _steps(path, step)
     for step in steps:
         try:
-            cfg = saved_config(path, step)
+            meta = saved_meta(path, step)
+            cfg = RunConfig.from_dict(meta["config"])
             state = _restore(path / "checkpoints" / str(step) / "state", {"params": target_of(cfg)})
+            check_checksums(meta, state)
             return cfg, state["params"], step
         except UNREADABLE as e:
             cause = f"{type(e).__name__}: {e}".splitlines()[0][:200]

@@ -1,16 +1,17 @@
-"""Checkpoints through the train command: bit-exact resume after SIGKILL, SIGTERM, non-finite
-steps rolled back."""
+"""Checkpoints through the train command: bit-exact resume after SIGKILL, SIGINT and
+SIGTERM saving and exiting, non-finite steps rolled back."""
 
 import json
 import signal
 import subprocess
 import sys
+import time
 
 import chex
 import numpy as np
 import pytest
 from support.faults import corrupt_arrays
-from support.runs import ROOT, checkpoint_params, metrics, run, start_until_first_step, train_command
+from support.runs import ROOT, checkpoint_params, device_env, metrics, run, train_command
 
 
 def _cli(workdir, *overrides, faults: dict | None = None, check=True):
@@ -64,18 +65,43 @@ def test_sigkill_and_resume_is_bit_identical(uninterrupted, kill, restores):
     chex.assert_trees_all_equal(checkpoint_params(workdir, 12), checkpoint_params(uninterrupted, 12))
 
 
-def test_sigterm_saves_and_exits_cleanly(uninterrupted):
-    workdir = uninterrupted.parent / "preempted"
-    command = train_command(workdir, "--config.train.steps=400", "--config.checkpoint.every_steps=1000")
-    proc = start_until_first_step(command, workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    proc.send_signal(signal.SIGTERM)
+def _logged(workdir) -> int:
+    path = workdir / "metrics.jsonl"
+    return path.read_text().count("\n") if path.exists() else 0
+
+
+def _preempt(command, workdir, sig) -> tuple[str, int]:
+    """Starts `command`, sends it `sig` once it has logged a step (so its handlers are in place),
+    checks that it exits 0; returns its output and the step it saved and stopped at."""
+    before = _logged(workdir)
+    popen = dict(cwd=ROOT, env=device_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc, deadline = subprocess.Popen(command, **popen), time.time() + 300
+    while _logged(workdir) <= before:
+        assert time.time() < deadline and proc.poll() is None, "training never logged a step"
+        time.sleep(0.2)
+    proc.send_signal(sig)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-2000:]
-    step = int(out.split("preempted: checkpoint saved at step ")[1].split(";")[0])
-    assert (workdir / "checkpoints" / str(step)).is_dir()
-    resumed = _cli(workdir, f"--config.train.steps={step + 2}")
-    assert f"checkpoint: restored step {step}" in resumed.stdout
-    assert _losses(workdir)[-1][0] == step + 2
+    assert f"{sig.name} received: saving a checkpoint and stopping after this step" in out
+    return out, int(out.split("preempted: checkpoint saved at step ")[1].split(";")[0])
+
+
+def test_sigint_then_sigterm_save_at_the_step_exit_0_and_resume(uninterrupted):
+    """Ctrl-C (SIGINT) stops the run at the next step boundary with a checkpoint of that step and
+    exit status 0; the same command resumes from it, and a scheduler's SIGTERM does the same there."""
+    workdir = uninterrupted.parent / "preempted"
+    command = train_command(workdir, "--config.train.steps=400", "--config.checkpoint.every_steps=1000")
+    _, interrupted = _preempt(command, workdir, signal.SIGINT)
+    assert _saved_steps(workdir) == [interrupted]
+    out, terminated = _preempt(command, workdir, signal.SIGTERM)
+    assert f"checkpoint: restored step {interrupted} " in out
+    assert terminated > interrupted and _saved_steps(workdir) == [interrupted, terminated]
+    steps = [step for step, _ in _losses(workdir)]
+    assert steps == sorted(set(steps)) and steps[-1] == terminated  # one run, cut back at the restore
+
+
+def _saved_steps(workdir) -> list[int]:
+    return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir())
 
 
 def test_non_finite_steps_are_skipped_then_rolled_back(uninterrupted):

@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 
+import jax
 import numpy as np
 
 from jaxllm.train.__main__ import main
@@ -27,6 +28,19 @@ def corrupt_arrays(step_dir) -> None:
     for f in (step_dir / "state").rglob("*"):
         if f.is_file() and f.stat().st_size > 1000:
             f.write_bytes(b"\0" * 16)
+
+
+def alter_one_value(step_dir) -> None:
+    """Writes a saved checkpoint step's arrays anew with one number of the embedding changed: the
+    files read back whole, with other values (as from a bit flipped on disk that no decoder notices)."""
+    import orbax.checkpoint as ocp
+
+    checkpointer = ocp.StandardCheckpointer()
+    state = jax.tree.map(np.array, checkpointer.restore(step_dir / "state"))
+    state["params"]["embed"][(0,) * state["params"]["embed"].ndim] += 1
+    checkpointer.save(step_dir / "state", state, force=True)
+    checkpointer.wait_until_finished()
+    checkpointer.close()
 
 
 def kill_self() -> None:

@@ -1,5 +1,8 @@
-"""Checkpoints: restore onto other layouts and meshes, roll back, corrupt and incompatible checkpoints."""
+"""Checkpoints: restore onto other layouts and meshes, roll back, corrupt and incompatible checkpoints,
+retention, saves by time, checksums."""
 
+import shutil
+import time
 
 import chex
 import jax
@@ -7,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from support.faults import corrupt_arrays
+from support.faults import alter_one_value, corrupt_arrays
 from support.runs import checkpoint_params, small_config
 
-from jaxllm.checkpoint import CheckpointError, load_params
+from jaxllm.checkpoint import Checkpointer, CheckpointError, load_params
 from jaxllm.config import ConfigError
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.train.loop import roll_back
@@ -183,3 +186,119 @@ def test_explicit_defaults_are_the_same_model_shape(saved):
         assert build_run(cfg, mesh).checkpointer(workdir).restore_latest().step == 3
 
 
+@pytest.fixture(scope="module")
+def plain():
+    """A data-parallel run and its initial state, for tests that only save and restore."""
+    cfg = _config(data=8)
+    mesh = make_mesh(cfg.parallel)
+    with jax.set_mesh(mesh):
+        run = build_run(cfg, mesh)
+        return run, init_state(run)
+
+
+def _checkpointer(run, workdir, clock=time.monotonic, **checkpoint):
+    cfg = run.cfg.updated(checkpoint=checkpoint)
+    return Checkpointer(workdir, cfg, run.mesh, run.canonical, run.shardings, clock=clock)
+
+
+def _on_disk(workdir) -> list[int]:
+    """The steps saved in `workdir` (not those moved aside)."""
+    return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+@pytest.mark.parametrize("every_steps,keep,keep_every", [(1, 3, 4), (2, 2, 0)])
+def test_retention_keeps_the_last_k_and_every_mth_step(tmp_path, plain, every_steps, keep, keep_every):
+    run, state = plain
+    steps = 12
+    with jax.set_mesh(run.mesh):
+        checkpoints = _checkpointer(run, tmp_path, every_steps=every_steps, keep=keep, keep_every=keep_every)
+        for step in range(1, steps + 1):
+            if checkpoints.due(step):
+                checkpoints.save(step, state, {})
+        checkpoints.close()
+    saved = list(range(every_steps, steps + 1, every_steps))
+    for_good = {s for s in saved if keep_every and s % keep_every == 0}
+    assert _on_disk(tmp_path) == sorted(set(saved[-keep:]) | for_good)
+
+
+def test_saves_by_time_once_the_minutes_have_passed(tmp_path, plain):
+    run, state = plain
+    now = 0.0
+    with jax.set_mesh(run.mesh):
+        checkpoints = _checkpointer(run, tmp_path, lambda: now, every_steps=0, every_minutes=2, keep=10)
+        untimed = _checkpointer(run, tmp_path / "untimed", lambda: now, every_steps=0, every_minutes=0)
+        due, never = [], []
+        # The clock after each step, in seconds: 10, 210*, 240, 270, 300, 330*, 335, 340, 640*, 641;
+        # * marks 120 s or more since the last save (or the start).
+        for step, seconds in enumerate([10, 200, 30, 30, 30, 30, 5, 5, 300, 1], start=1):
+            now += seconds
+            if checkpoints.due(step):
+                checkpoints.save(step, state, {})
+                due.append(step)
+            never += [step] if untimed.due(step) else []
+        checkpoints.close()
+        untimed.close()
+    assert due == [2, 6, 9] and never == []
+    assert _on_disk(tmp_path) == [2, 6, 9]
+
+
+@pytest.fixture(scope="module")
+def two_steps(plain, tmp_path_factory):
+    """A workdir with checkpoints at steps 2 and 4 (different data positions), to copy and damage."""
+    run, state = plain
+    workdir = tmp_path_factory.mktemp("two")
+    with jax.set_mesh(run.mesh):
+        checkpoints = run.checkpointer(workdir)
+        checkpoints.save(2, state, {"next_index": 2})
+        checkpoints.save(4, state, {"next_index": 4})
+        checkpoints.close()
+    return workdir
+
+
+def _restore_passes_over_step_4(run, workdir, capsys, why: str):
+    """Restores step 2, having reported step 4 in one line (with `why`) and moved it aside."""
+    with jax.set_mesh(run.mesh):
+        checkpoints = run.checkpointer(workdir)
+        restored = checkpoints.restore_latest()
+        checkpoints.close()
+    assert restored.step == 2 and restored.data_state == {"next_index": 2}
+    report = [line for line in capsys.readouterr().out.splitlines() if "step 4 is unreadable" in line]
+    assert len(report) == 1 and len(report[0]) < 400 and why in report[0], report
+    assert (workdir / "checkpoints" / "4.unreadable").is_dir() and _on_disk(workdir) == [2]
+
+
+# Our metadata item, the data position, Orbax's tree and array metadata: each a JSON file.
+METADATA = ["meta/metadata", "data/metadata", "state/_METADATA", "state/array_metadatas/process_0"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not JSON"])
+@pytest.mark.parametrize("name", METADATA)
+def test_corrupt_metadata_is_reported_moved_aside_and_passed_over(tmp_path, plain, two_steps, capsys, name, damage):
+    shutil.copytree(two_steps, tmp_path, dirs_exist_ok=True)
+    path = tmp_path / "checkpoints" / "4" / name
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2] if damage == "truncated" else "<html>Not Found</html>")
+    _restore_passes_over_step_4(plain[0], tmp_path, capsys, "JSONDecodeError")
+
+
+def test_orbax_step_metadata_is_not_needed_to_restore(tmp_path, plain, two_steps, capsys):
+    """`_CHECKPOINT_METADATA` holds only Orbax's timestamps: damaged, the step still restores whole."""
+    run, _ = plain
+    shutil.copytree(two_steps, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "checkpoints" / "4" / "_CHECKPOINT_METADATA").write_text("{")
+    with jax.set_mesh(run.mesh):
+        checkpoints = run.checkpointer(tmp_path)
+        assert checkpoints.restore_latest().step == 4
+        checkpoints.close()
+    assert "unreadable" not in capsys.readouterr().out
+
+
+def test_silently_changed_arrays_fail_their_checksum(tmp_path, plain, two_steps, capsys):
+    """One number changed in files that still decode: the params-only restore and the run's own
+    both pass over that step."""
+    shutil.copytree(two_steps, tmp_path, dirs_exist_ok=True)
+    alter_one_value(tmp_path / "checkpoints" / "4")
+    assert not np.array_equal(checkpoint_params(tmp_path, 4)["embed"], checkpoint_params(tmp_path, 2)["embed"])
+    assert load_params(tmp_path)[2] == 2
+    assert "step 4 of" in capsys.readouterr().out
+    _restore_passes_over_step_4(plain[0], tmp_path, capsys, "checksum mismatch: ['params']['embed']")
