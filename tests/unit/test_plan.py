@@ -158,7 +158,7 @@ def test_docs_scale_page_is_what_the_planner_prints_today():
 
 def test_planner_refuses_a_layout_the_trainer_would():
     cmd = [sys.executable, "-m", "jaxllm.plan", "--config", "configs/120b.py", "--config.parallel.stage=8",
-           "--config.parallel.fsdp=1"]  # fmt: skip
+           "--config.parallel.fsdp=1", "--config.parallel.microbatches=32"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "do not split into parallel.stage=8" in proc.stderr + proc.stdout
 
