@@ -93,3 +93,18 @@ def memory_in_use() -> float | None:
     """Bytes in use on the first local device, where the backend reports it (GPUs do, CPU does not)."""
     stats = jax.local_devices()[0].memory_stats()
     return float(stats["bytes_in_use"]) if stats and "bytes_in_use" in stats else None
+
+
+def memory_fractions(stats: dict | None = None) -> dict[str, float]:
+    """Memory in use and its peak as fractions of the device's capacity (`bytes_limit`), from the
+    first local device's `memory_stats()` (or `stats`); empty where the backend reports none (CPU)."""
+    stats = jax.local_devices()[0].memory_stats() if stats is None else stats
+    if not stats or not stats.get("bytes_limit"):
+        return {}
+    limit = float(stats["bytes_limit"])
+    out = {}
+    if "bytes_in_use" in stats:
+        out["memory_fraction"] = stats["bytes_in_use"] / limit
+    if "peak_bytes_in_use" in stats:
+        out["memory_peak_fraction"] = stats["peak_bytes_in_use"] / limit
+    return out
