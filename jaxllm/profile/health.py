@@ -37,3 +37,15 @@ def out_of_band(ratios: Mapping[str, float]) -> dict[str, str]:
             band = f"{low:.0%}–{high:.0%}" if low > 0 else f"under {high:.0%}"
             warnings[name] = f"{name}={value:.1%} is outside its band ({band}); {_ADVICE[name, side]}"
     return warnings
+
+
+class OncePerRun:
+    """Which out-of-band warnings to print: each ratio's first only, however often it is out."""
+
+    def __init__(self) -> None:
+        self.warned: set[str] = set()
+
+    def new(self, ratios: Mapping[str, float]) -> list[str]:
+        fresh = {name: w for name, w in out_of_band(ratios).items() if name not in self.warned}
+        self.warned |= fresh.keys()
+        return list(fresh.values())

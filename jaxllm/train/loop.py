@@ -25,7 +25,7 @@ from jaxllm.model.decoder import Model
 from jaxllm.model.generate import generate
 from jaxllm.model.sampling import Sampling
 from jaxllm.parallel.mesh import describe, make_mesh
-from jaxllm.profile import StepProfiler, out_of_band
+from jaxllm.profile import OncePerRun, StepProfiler
 from jaxllm.profile.capture import stages_of
 from jaxllm.train.faults import NonFiniteSteps, Preemption
 from jaxllm.train.metrics import MetricsWriter, memory_fractions, memory_in_use, peak_flops
@@ -173,7 +173,7 @@ class Loop:
             mininterval=1.0,
         )
         self.last, self.latest_val = {}, {}
-        self.warned: set[str] = set()  # the ratios warned about: once a run each
+        self.warnings = OncePerRun()  # each out-of-band ratio warned about once a run
         self.profiler = StepProfiler(
             step_range(t.profile_steps, "train.profile_steps") or (0, -1),
             pathlib.Path(workdir) / "profile",
@@ -253,10 +253,9 @@ class Loop:
 
     def warn(self, metrics: dict) -> None:
         """One warning a run for each health ratio outside its band (see jaxllm.profile.health)."""
-        for name, warning in out_of_band(metrics).items():
-            if name not in self.warned and jax.process_index() == 0:
+        for warning in self.warnings.new(metrics):
+            if jax.process_index() == 0:
                 print(f"warning: {warning}", flush=True)
-            self.warned.add(name)
 
     def _postfix(self, metrics: dict) -> dict[str, str]:
         """What the progress bar shows: only figures measured so far (no validation loss before

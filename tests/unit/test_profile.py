@@ -9,7 +9,7 @@ from support.runs import small_config
 
 from jaxllm.config import ConfigError, TrainConfig
 from jaxllm.parallel.mesh import make_mesh
-from jaxllm.profile import COLLECTIVES, StepProfiler, categorize, out_of_band
+from jaxllm.profile import COLLECTIVES, OncePerRun, StepProfiler, categorize, out_of_band
 from jaxllm.profile.capture import stages_of
 from jaxllm.profile.trace import Op, empty_iterations, partition
 from jaxllm.train.metrics import memory_fractions
@@ -135,6 +135,13 @@ def test_the_bands_warn_outside_them_and_name_the_setting():
     assert "parallel.microbatches" in warned["bubble_measured"]
     assert "train.batch_size" in out_of_band({"memory_peak_fraction": 0.3})["memory_peak_fraction"]
     assert out_of_band({}) == {}  # absent (CPU memory): nothing
+
+
+def test_each_ratio_is_warned_about_once_a_run():
+    once = OncePerRun()
+    assert len(once.new({"comm_share": 0.3, "memory_peak_fraction": 0.95})) == 2
+    assert once.new({"comm_share": 0.4, "memory_peak_fraction": 0.97}) == []  # out again: no second warning
+    assert once.new({"bubble_measured": 0.3})[0].startswith("bubble_measured=30.0%")
 
 
 def test_memory_fractions_come_from_the_backends_stats_only():
