@@ -22,7 +22,7 @@ Why these numbers:
   sequence. Global batch 64 sequences, 8 per fsdp rank; group remat ("checkpoint every 4 layers").
 - cuDNN flash attention: no [seq, seq] scores in memory. (`--dry-run` compiles XLA attention in its
   place, since XLA:CPU has no cuDNN, so its figures over-state attention.)
-- Memory per 80 GB GPU (`--dry-run`): 20.8 GiB of params and Adam state; a 65.6 GiB peak, 82 % of the
+- Memory per 80 GB GPU (`--dry-run`): 20.8 GiB of params and Adam state; a 62.1 GiB peak, 78 % of the
   GPU, of which the XLA attention scores that cuDNN does not keep are ~18 GiB (the planner's
   temporaries with and without them: 35.3 and 17.3 GiB).
 """
