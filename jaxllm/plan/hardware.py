@@ -31,3 +31,16 @@ ACCELERATORS = {
 # What the estimate assumes of a step (printed with every estimate).
 MATMUL_EFFICIENCY = 0.75  # the fraction of peak large bf16/fp8 GEMMs reach
 LINK_EFFICIENCY = 0.8  # the fraction of link bandwidth NCCL's ring collectives reach
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+    """The fractions of peak the estimate assumes: these defaults, or what `python -m jaxllm.plan
+    --sweep --fit OUT.json` fitted from a measured sweep (read back with `--efficiency OUT.json`)."""
+
+    matmul: float = MATMUL_EFFICIENCY
+    link: float = LINK_EFFICIENCY
+    source: str = "defaults"  # where the figures come from, printed with the estimate
+
+
+DEFAULT_EFFICIENCY = Efficiency()
