@@ -104,5 +104,6 @@ def load(path: str | pathlib.Path) -> Efficiency:
     if not (matmul > 0 and link > 0):
         raise FitError(f"{path}: efficiencies must be positive, got matmul {matmul}, link {link}")
     about = doc.get("fitted_on", {})
-    where = f"{about.get('backend', '?')} ({about.get('device_kind', '?')}), {len(doc.get('table', []))} layouts"
+    measured = sum(1 for row in doc.get("table", []) if row.get("measured"))
+    where = f"{about.get('backend', '?')} ({about.get('device_kind', '?')}), {measured} layouts measured"
     return Efficiency(matmul, link, f"{path}, measured on {where}")
