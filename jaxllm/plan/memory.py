@@ -48,32 +48,45 @@ def _per_device_bytes(specs, rules, mesh: jax.sharding.AbstractMesh, itemsize, *
 
 def _stash_per_token(model: ModelConfig, seq: int, tensor: int, sp: bool) -> tuple[dict, float]:
     """Bytes per token on one device of one layer's activations: (what each remat policy keeps
-    for the backward pass, all of them). The tensors are those the layer tags for its policies
-    (`decoder.SAVED_NAMES`, the dots' outputs); `tests/test_memory_plan.py` checks what keeping
-    them costs against the compiler's memory analysis."""
+    on the device for the backward pass, what the backward pass holds while it rebuilds the layer
+    and takes its gradient). The tensors are those the layer tags for its
+    policies (`decoder.SAVED_NAMES`, the dots' outputs); `tests/unit/test_memory_plan.py` checks
+    them against the compiler's memory analysis under every policy."""
     s, a = model, jnp.dtype(model.dtype).itemsize
     residual = model.hidden * a / (tensor if sp else 1)  # the residual stream between blocks
     block = model.hidden * a  # a block's gathered input, and its partial output before the sum
     q, kv = model.num_heads // tensor * s.head_dim * a, s.num_kv_heads // tensor * s.head_dim * a
     mlp = model.mlp // tensor * a
-    scores = model.num_heads // tensor * seq * (4 + a) if model.attention == "xla" else 0  # fp32 and probs
-    dots = (q + 2 * kv) + scores + q + block + (s.ffn_matrices - 1) * mlp + block
-    everything = dots + 2 * block + mlp + 2 * residual  # + norm outputs, GLU product, residual sums
+    # XLA attention's [heads, seq] per token: the QK dot's fp32 output (what `dots` keeps); for the
+    # backward of the mask and the softmax, the masked fp32 scores, the fp32 softmax and its copy
+    # in the compute dtype. A fused kernel keeps none of them.
+    scores = model.num_heads // tensor * seq if model.attention == "xla" else 0
+    projections = (q + 2 * kv) + q + block + (s.ffn_matrices - 1) * mlp + block  # the other dots' outputs
+    others = 2 * block + mlp + 2 * residual  # norm outputs, GLU product, residual sums
     kept = {
-        "none": everything,
+        "none": projections + (8 + a) * scores + others,
         "full": residual,
         "group": residual / model.qkv_share_every,
         "selective": residual + (q + 2 * kv) + q + mlp + residual,  # decoder.SAVED_NAMES
-        "dots": dots,
-        "offload": 0.0,  # kept in host memory
+        "dots": projections + 4 * scores,
+        "offload": 0.0,  # SAVED_NAMES, in host memory
     }
-    return kept, everything
+    # Rebuilt and differentiated, in fp32 on XLA:CPU (no bf16 arithmetic): every token-sized tensor
+    # at 4 bytes, and about REBUILT_SCORES fp32 [heads, seq] arrays at once (the scores, the softmax
+    # and their gradients, not all live together), as the test layouts and configs/1b.py, 8b.py
+    # measure.
+    rebuilt = (projections + others) * 4 / a + REBUILT_SCORES * 4 * scores
+    return kept, rebuilt
+
+
+REBUILT_SCORES = 2.5
 
 
 def memory(cfg: RunConfig) -> dict[str, float]:
     """Per-device bytes of a training step by component, from the config alone (mesh sizes of -1
     count as 1). What the planner predicts and `--dry-run` prints beside the compiler's figures.
-    An offloaded optimizer state is counted apart from the device total."""
+    An offloaded optimizer state, and the activations remat 'offload' moves, are counted apart
+    from the device total."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     sizes = mesh_sizes(cfg)
     mesh = jax.sharding.AbstractMesh(tuple(sizes.values()), MESH_AXES)
@@ -86,8 +99,9 @@ def memory(cfg: RunConfig) -> dict[str, float]:
     out = {
         "params": _per_device_bytes(specs, RULES, mesh, param),
         "optimizer state (Adam m, v)": 0.0 if p.offload_optimizer else moments,
-        # a microstep's, and with accumulation their sum, which lies as the moments do
-        "fp32 gradients": _per_device_bytes(specs, RULES, mesh, fp32) + (moments / 2 if t.grad_accum_steps > 1 else 0),
+        # summed where they lie as the moments do (split over data too with zero1); with
+        # accumulation, a microstep's beside their sum
+        "fp32 gradients": moments / 2 * (2 if t.grad_accum_steps > 1 else 1),
     }
     groups = specs["groups"]
     if schedule is None:  # FSDP gathers one group at a time; its gradient is summed before the scatter
@@ -102,26 +116,26 @@ def memory(cfg: RunConfig) -> dict[str, float]:
     out["gathered weights + their fp32 gradient"] = gathered
     data, tensor, stage = sizes["data"] * sizes["fsdp"], sizes["tensor"], sizes["stage"]
     rows = t.batch_size // data // t.grad_accum_steps  # sequences per device per microstep
-    kept, whole_layer = _stash_per_token(m, t.seq_len, tensor, p.sequence_parallel)
+    kept, rebuilt = _stash_per_token(m, t.seq_len, tensor, p.sequence_parallel)
     stash = kept[m.remat]
-    # The backward pass rebuilds a shared-QKV group's layers together (one iteration of the scan
-    # over groups), each with its gradient: the largest transient besides the logits.
-    rebuilt = 2 * m.qkv_share_every * whole_layer
     residual = m.hidden * jnp.dtype(m.dtype).itemsize / (tensor if p.sequence_parallel else 1)
     if schedule is None:
-        tokens = rows * t.seq_len
-        out[f"activations (remat {m.remat})"] = m.num_layers * tokens * stash
+        tokens, layers = rows * t.seq_len, m.num_layers
+        edges = 0.0
     else:  # each iteration's input and output are kept; one iteration's stage is rebuilt at a time
-        tokens = rows // schedule.microbatches * t.seq_len
-        stage_layers = m.num_layers // (stage * schedule.repeats)
+        tokens, layers = rows // schedule.microbatches * t.seq_len, m.num_layers // (stage * schedule.repeats)
         edges = 2 * schedule.iterations * tokens * residual
-        out[f"activations (remat {m.remat})"] = edges + stage_layers * tokens * stash
+    out[f"activations (remat {m.remat})"] = edges + layers * tokens * stash
     head_tokens = rows * t.seq_len // (stage if schedule else 1)
     logits = head_tokens * m.padded_vocab // tensor * 4 * 2  # fp32 logits and their gradient
-    out["temporaries (a group rebuilt; logits)"] = max(tokens * rebuilt, logits)
+    # The backward pass rebuilds a shared-QKV group's layers together (one iteration of the scan
+    # over groups) and takes their gradients, while the logits and their gradient are still held.
+    out["temporaries (a group rebuilt, logits)"] = tokens * m.qkv_share_every * rebuilt + logits
     out["total"] = sum(out.values())
     if p.offload_optimizer:
         out["optimizer state in host memory"] = moments
+    if m.remat == "offload":
+        out["activations in host memory (remat offload)"] = layers * tokens * kept["selective"]
     return out
 
 

@@ -19,7 +19,7 @@ from jaxllm.data.tokenizer import Tokenizer
 from jaxllm.errors import JaxllmError
 from jaxllm.serve.settings import Serving
 from jaxllm.serve.steps import TOP_LOGPROBS, Tokens
-from jaxllm.serve.stream import MAX_STOPS, TextStream
+from jaxllm.serve.stream import EMPTY_STOP, MAX_STOPS, TextStream
 
 SEEDS = 2**32  # a seed is a uint32 on the device
 # A reader waits this long past a request's deadline before it gives up on the engine thread
@@ -127,6 +127,7 @@ class Limits:
             f"{len(r.stop)} stop strings given; at most {self.stops} are allowed",
             param="stop",
         )
+        require(all(r.stop), EMPTY_STOP, param="stop")
         require(
             r.logprobs is None or 0 <= r.logprobs <= self.top_logprobs,
             f"logprobs={r.logprobs} must be between 0 and {self.top_logprobs}",

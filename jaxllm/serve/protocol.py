@@ -12,7 +12,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Dis
 
 from jaxllm.serve.generation import SEEDS, Limits, Request, RequestError
 from jaxllm.serve.steps import TOP_LOGPROBS
-from jaxllm.serve.stream import MAX_STOPS
+from jaxllm.serve.stream import EMPTY_STOP, MAX_STOPS
 
 
 def _unicode(text: str) -> str:
@@ -30,10 +30,20 @@ def _listed(value):
     return [value] if isinstance(value, str) else value
 
 
+def _not_empty(stop: str) -> str:
+    if not stop:
+        raise ValueError(EMPTY_STOP)
+    return stop
+
+
+# A stop string: never empty (one would match before any text; vLLM refuses it too).
+Stop = Annotated[Text, AfterValidator(_not_empty), Field(json_schema_extra={"minLength": 1})]
+
+
 def stop_strings(most: int):
     """`stop`: a string or up to `most` strings, validated as a list (so a refusal names one form)."""
-    strings = Annotated[list[Text], Field(max_length=most)]
-    return Annotated[strings | None, BeforeValidator(_listed, json_schema_input_type=str | strings | None)]
+    strings = Annotated[list[Stop], Field(max_length=most)]
+    return Annotated[strings | None, BeforeValidator(_listed, json_schema_input_type=Stop | strings | None)]
 
 
 # Each field, and whether a value of it changes nothing (then it passes).

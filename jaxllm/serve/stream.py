@@ -2,8 +2,9 @@
 
 Text is released only once it is final: never a part of a multi-byte character still being
 spelt out over several tokens, and never the start of what could still become a stop string.
-A stop string ends the request and is left out of its text; so is an end-of-sequence token
-(the tokenizer's `stop_ids`, unless `ignore_eos`); `max_tokens` ends it with `length`.
+A stop string ends the request and is left out of its text (of several, the one that starts
+first in the text; an empty one is refused); so is an end-of-sequence token (the tokenizer's
+`stop_ids`, unless `ignore_eos`); `max_tokens` ends it with `length`.
 
 Each token costs a decode of the few tokens since the last complete character, not of the whole
 output: `text` grows by what `tokens[_start:]` decodes to beyond `tokens[_start:_end]` (decoding
@@ -18,13 +19,16 @@ from jaxllm.data.tokenizer import Tokenizer
 
 MAX_STOPS = 4
 INCOMPLETE = "\ufffd"  # what decoding shows for the bytes of an unfinished character
+EMPTY_STOP = "a stop string is empty: it would end the request before any text; leave it out"
 
 
 class TextStream:
     def __init__(self, tokenizer: Tokenizer, max_tokens: int, stop: Sequence[str] = (), ignore_eos: bool = False):
-        stop = [s for s in stop if s]
+        stop = list(stop)
         if len(stop) > MAX_STOPS:
             raise ValueError(f"{len(stop)} stop strings given; at most {MAX_STOPS} are allowed")
+        if not all(stop):
+            raise ValueError(EMPTY_STOP)
         if max_tokens < 1:
             raise ValueError(f"max_tokens={max_tokens} must be at least 1")
         self.tokenizer, self.max_tokens, self.stop, self.ignore_eos = tokenizer, max_tokens, stop, ignore_eos

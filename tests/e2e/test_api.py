@@ -3,6 +3,7 @@ trained on real text, driven by the official `openai` client and by raw HTTP. Lo
 checked against a full recompute of the checkpoint's params; every guard's status, message and
 metric; a flood of malformed requests leaves the server as it was."""
 
+import collections
 import contextlib
 import http.client
 import json
@@ -68,7 +69,8 @@ class Client:
 @contextlib.contextmanager
 def server(source: list[str], log, *flags):
     """`python -m jaxllm.serve SOURCE FLAGS` (SOURCE: e.g. --workdir RUN) on a free port of
-    127.0.0.1, once /health says 200; yields the port and the /health statuses seen while it compiled."""
+    127.0.0.1, once /health says 200; yields the port and what /health and /metrics' engine_up
+    said while it compiled."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -80,10 +82,11 @@ def server(source: list[str], log, *flags):
     def healthy():
         assert process.poll() is None, log.read_text()
         try:
-            statuses.append(client.request("GET", "/health", key=None)[0])
+            status = client.request("GET", "/health", key=None)[0]
+            statuses.append((status, client.metrics()["jaxllm_engine_up"]))
         except ConnectionRefusedError:
             return False
-        return statuses[-1] == 200
+        return status == 200
 
     try:
         wait_for(healthy, timeout=300)
@@ -112,7 +115,7 @@ def served(tmp_path_factory):
     ]  # fmt: skip
     log = root / "server.log"
     with server(["--workdir", workdir], log, *flags) as (port, statuses):
-        assert 503 in statuses, "/health said 200 before the engine had compiled"
+        assert (503, 0) in statuses and statuses[-1] == (200, 1), f"up before it compiled: {set(statuses)}"
         sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
         tokenizer = load_saved_tokenizer(workdir / "tokenizer")
         yield {"client": Client(port), "sdk": sdk, "workdir": workdir, "log": log, "port": port,
@@ -351,6 +354,10 @@ GUARDS = [
      r"^prompt: .*at most 8 items", "invalid_value", "invalid"),
     ("too many stops", "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "stop": list("abcde")}, KEY, 422,
      r"^stop: .*at most 4 items", "invalid_value", "invalid"),
+    ("empty stop", "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "stop": ["done", ""]}, KEY, 422,
+     r"^stop\.1: .*a stop string is empty: it would end the request before any text", "invalid_value", "invalid"),
+    ("empty stop chat", "POST", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user",
+     "content": "x"}], "stop": ""}, KEY, 422, r"^stop\.0: .*a stop string is empty", "invalid_value", "invalid"),
     ("surrogate stop", "POST", "/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content":'
      b' "x"}], "stop": ["\\udfff"]}', KEY, 422, "lone surrogate", "invalid_value", "invalid"),
     ("unknown model", "POST", "/v1/completions", {"model": "gpt-9", "prompt": "x"}, KEY, 404, "'gpt-9' is not served",
@@ -551,10 +558,12 @@ def test_full_queue_answers_503_and_clients_that_leave_free_their_slots(served):
     wait_for(lambda: {k: client.metrics()[k] for k in full} == full)
     busy = client.metrics()
     assert busy["jaxllm_active_slots"] == SLOTS and 0 < busy["jaxllm_kv_cache_usage"] <= 1
+    errors = _server_errors(client)
     status, body, headers = client.complete({"prompt": "x", "max_tokens": 2})
     _error(status, body, 503, rf"all {QUEUE} queue places are taken \(serve.max_queue\)", "queue_full")
     refused = busy.get("jaxllm_rejections_total[queue_full]", 0)
     assert client.metrics()["jaxllm_rejections_total[queue_full]"] == refused + 1
+    assert _server_errors(client) == errors + 1  # what the flood test reads, seen to count a 5xx
     assert int(headers["Retry-After"]) >= 1
     steps = client.metrics()["jaxllm_decode_step_slots_count"]
     for connection in streams:
@@ -564,21 +573,32 @@ def test_full_queue_answers_503_and_clients_that_leave_free_their_slots(served):
     assert client.metrics()["jaxllm_decode_step_slots_count"] - steps < 100
 
 
+def _answered(client) -> collections.Counter:
+    """Requests the server counted, by status, over every route."""
+    counted = collections.Counter()
+    for key, value in client.metrics().items():
+        if match := re.fullmatch(r"jaxllm_requests_total\[.*\]\[(\d+)\]", key):
+            counted[int(match[1])] += value
+    return counted
+
+
 def _server_errors(client) -> float:
-    return sum(v for k, v in client.metrics().items() if re.match(r"jaxllm_requests_total\[.*\]\[5\d\d\]", k))
+    return sum(n for status, n in _answered(client).items() if status >= 500)
 
 
 def test_malformed_flood_leaves_the_server_as_it_was(served):
-    """Over 200 malformed requests of every kind: no 5xx, then healthy, idle, same greedy text."""
+    """Over 200 malformed requests of every kind: each counted under its 4xx status, no 5xx, then
+    healthy, idle, same greedy text."""
     client = served["client"]
     before = greedy(served["sdk"], PROMPT, 16).choices[0].text
-    errors = _server_errors(client)
+    answered = _answered(client)
     flood = [g for g in GUARDS if g[0] != "too large"] * 8 + [g for g in GUARDS if g[0] == "too large"] * 2
     for guard in flood:  # with a key of its own: the flood is more than the main key's burst
         status = _send(served, guard, FLOOD_KEY)[0]
         assert status == guard[5], guard[0]
     assert len(flood) >= 200
-    assert _server_errors(client) == errors
+    counted = _answered(client) - answered
+    assert counted == collections.Counter(g[5] for g in flood) + collections.Counter({200: 1})  # and the metrics read
     assert client.request("GET", "/health", key=None)[0] == 200
     wait_for(lambda: _idle(client))
     assert greedy(served["sdk"], PROMPT, 16).choices[0].text == before

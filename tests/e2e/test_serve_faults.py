@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from support.serving import http_server, metric_values, wait_for
@@ -311,7 +312,14 @@ def test_chats_that_take_seconds_answer_and_clients_that_leave_free_their_slots(
     or during a slow prefill) frees its slot within a few steps, and is counted as a 499."""
     _slow_steps(engine, monkeypatch, 0.02)
     with http_server(engine) as (url, _):
-        start = time.perf_counter()
+
+        def counters() -> tuple[float, float]:
+            """(slot-steps decoded, chat requests answered)."""
+            m = metric_values(httpx.get(f"{url}/metrics").text)
+            chats = sum(v for k, v in m.items() if k.startswith("jaxllm_requests_total[/v1/chat/completions]"))
+            return m["jaxllm_decode_step_slots_sum"], chats
+
+        before, start = counters(), time.perf_counter()
         whole = httpx.post(f"{url}/v1/chat/completions", json=_chat(150, False), timeout=120)
         took = time.perf_counter() - start
         assert whole.status_code == 200, whole.text
@@ -320,12 +328,8 @@ def test_chats_that_take_seconds_answer_and_clients_that_leave_free_their_slots(
             chunks = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: {")]
         assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == whole.json()["choices"][0][
             "message"]["content"]  # fmt: skip
-
-        def counters() -> tuple[float, float]:
-            """(slot-steps decoded, chat requests answered)."""
-            m = metric_values(httpx.get(f"{url}/metrics").text)
-            chats = sum(v for k, v in m.items() if k.startswith("jaxllm_requests_total[/v1/chat/completions]"))
-            return m["jaxllm_decode_step_slots_sum"], chats
+        # Each answer's 149 decode steps (its first token came from the prefill), one slot each.
+        assert np.subtract(counters(), before).tolist() == [2 * 149, 2]
 
         def leaves(body, seconds, read_events=0, prefill_delay=0.0):
             """The slot-steps decoded for a client that leaves after `seconds`."""

@@ -16,18 +16,34 @@ from jaxllm.model.decoder import Model
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.train.step import init_params
 
+
+def _pallas_length() -> int:
+    """A sequence of two of the Pallas kernel's 128-position blocks, in a config that validation
+    accepts for it (as many kv heads as query heads, the length a multiple of 128)."""
+    cfg = small_config(attention="pallas", num_heads=4, num_kv_heads=4, max_seq_len=256)
+    cfg = cfg.updated(train=dict(seq_len=256))
+    validate(cfg, 1)
+    assert (cfg.model.num_heads, cfg.model.head_dim) == (4, 16)  # as `_inputs` makes them
+    return cfg.train.seq_len
+
+
+# name: (kernel, kv heads, sequence length)
 FUSED = {
-    "jax.nn.dot_product_attention (cudnn's call), GQA": (partial(layers.library_attention, implementation="xla"), 2),
-    "pallas kernel (interpreted)": (partial(layers.pallas_attention, interpret=True), 4),
-}
+    "jax.nn.dot_product_attention (cudnn's call), GQA": (
+        partial(layers.library_attention, implementation="xla"), 2, 64,
+    ),
+    "pallas kernel (interpreted), two blocks": (partial(layers.pallas_attention, interpret=True), 4, _pallas_length()),
+}  # fmt: skip
 
 
-def _inputs(kv_heads: int, batch: int = 2):
-    t, heads, d = 64, 4, 16
+def _inputs(kv_heads: int, batch: int = 2, t: int = 64):
+    """Two rows of packed documents; at 256 positions they straddle the Pallas kernel's block edge."""
+    heads, d = 4, 16
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (batch, t, heads, d))
     k, v = (jax.random.normal(key, (batch, t, kv_heads, d)) for key in keys[1:3])
-    documents = [[1] * 40 + [2] * 24, [1] * 10 + [2] * 30 + [3] * 24]
+    n = t // 64
+    documents = [[1] * 40 * n + [2] * 24 * n, [1] * 10 * n + [2] * 30 * n + [3] * 24 * n]
     return q, k, v, jnp.array(documents * (batch // 2)), jax.random.normal(keys[3], q.shape)
 
 
@@ -39,8 +55,8 @@ def _value_and_grads(attend, q, k, v, segment_ids, cotangent):
 @pytest.mark.parametrize("name", FUSED)
 @pytest.mark.parametrize("packed", [True, False], ids=["packed documents", "one document per row"])
 def test_fused_paths_equal_xla_attention_and_its_gradients(name, packed):
-    kernel, kv_heads = FUSED[name]
-    q, k, v, segment_ids, cotangent = _inputs(kv_heads)
+    kernel, kv_heads, length = FUSED[name]
+    q, k, v, segment_ids, cotangent = _inputs(kv_heads, t=length)
     segment_ids = segment_ids if packed else None
     got = _value_and_grads(kernel, q, k, v, segment_ids, cotangent)
     want = _value_and_grads(layers.self_attention, q, k, v, segment_ids, cotangent)

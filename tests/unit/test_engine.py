@@ -5,11 +5,15 @@ every decode step each one's log-probs equal a full recompute on one device, and
 the same tokens alone as among the others, greedy and sampled, with the prefix cache on (tensor
 2 and 4) and off (tensor 1), and when pages run out and sequences are preempted. Pages go back to
 the pool when requests end or are cancelled; a decode step's work follows its table's width, not
-the pool or serve.max_len; nothing compiles while serving; the Pallas paged-attention kernel
-(in its interpreter) equals the XLA path."""
+the pool or serve.max_len; nothing compiles while serving; the stop ids a model's
+generation_config.json names end requests unshown; the Pallas paged-attention kernel (in its
+interpreter) equals the XLA path."""
 
+import collections
 import contextlib
+import json
 import math
+import shutil
 import subprocess
 import sys
 from functools import partial
@@ -23,6 +27,7 @@ from support.runs import checkpoint_params, small_config
 from support.serving import http_server, metric_values
 
 from jaxllm.config import ConfigError
+from jaxllm.data.tokenizer import get_tokenizer
 from jaxllm.model.cache import Int8, KVCache, read
 from jaxllm.model.decoder import Model
 from jaxllm.model.int8 import symmetric_int8
@@ -152,13 +157,31 @@ def test_preempted_sequences_resume_with_the_same_output_and_every_page_returns(
     assert engine.pool.in_use() == 0 and kept.choices()[0].tokens == together[0]
 
 
-def test_n_choices_share_the_prompts_pages_and_differ_by_choice(trained, engines):
+def _count_prefilled(engine, monkeypatch) -> collections.Counter:
+    """How many times the engine's prefill steps compute each position, counted from their
+    arguments (rows of the scratch slot are padding)."""
+    prefilled, real = collections.Counter(), engine.prefill_step
+
+    def prefill_step(*args):
+        slots, _, starts, lengths = args[:4]
+        for slot, start, length in zip(slots.tolist(), starts.tolist(), lengths.tolist(), strict=True):
+            if slot != engine.slots:
+                prefilled.update(range(start, start + length))
+        return real(*args)
+
+    monkeypatch.setattr(engine, "prefill_step", prefill_step)
+    return prefilled
+
+
+def test_n_choices_share_the_prompts_pages_and_differ_by_choice(trained, engines, monkeypatch):
     """With the prefix cache, a request's later choices take its first's full prompt pages
-    instead of prefilling them again."""
+    instead of prefilling them again: of a 40-token prompt, the first two pages' 32 positions
+    are prefilled once for three choices, the last 8 (a page not yet full) once per choice."""
     engine, tokenizer = engines(2), trained[2]
     prompt = (tokenizer.encode('{"key": "value", "list": [1, 2, 3], "more": {"a": null}}') * 3)[:40]
-    hits = engine.scheduler.prefix_hits
+    hits, prefilled = engine.scheduler.prefix_hits, _count_prefilled(engine, monkeypatch)
     three = engine.generate([Request(prompt, 12, temperature=1.0, seed=7, n=3, ignore_eos=True)])[0].choices()
+    assert prefilled == collections.Counter({**dict.fromkeys(range(32), 1), **dict.fromkeys(range(32, 40), 3)})
     assert engine.scheduler.prefix_hits - hits == 2 * (len(prompt) - 1) // 16
     assert len({tuple(c.tokens) for c in three}) == 3  # each choice draws its own tokens
     for n, choice in enumerate(three):  # ... the same as when asked for alone
@@ -182,19 +205,10 @@ def test_the_prefix_cache_counts_its_pages_over_http(engines):
     assert cached[1] >= cached[0] + 3 and seen[-1]["jaxllm_kv_cache_usage"] == 0
 
 
-def test_requests_run_without_compiling_in_buckets_of_their_live_size(trained, engines, monkeypatch):
-    """Every step was compiled at start-up: serving prompts of every chunk length, long and short,
-    alone and batched, sampled, with stops, log-probs and n choices compiles nothing. Each decode
-    step runs as many rows as are busy (rounded up to a bucket) over a table only as wide as the
-    longest live sequence needs: 256 tokens' worth, then 512 once one passes 256."""
-    engine, tokenizer = engines(2), trained[2]
-    events, shapes, real = [], [], engine.decode_step
-
-    def decode_step(*args):
-        shapes.append((len(args[0]), int((args[0] != engine.slots).sum()), args[3].shape[1]))  # padded, busy, width
-        return real(*args)
-
-    monkeypatch.setattr(engine, "decode_step", decode_step)
+@contextlib.contextmanager
+def _compiles():
+    """Every compile in this process while open (its tracing, lowering or XLA compile events)."""
+    events = []
 
     def record(event, duration, **_):
         if event.startswith("/jax/core/compile"):
@@ -202,18 +216,48 @@ def test_requests_run_without_compiling_in_buckets_of_their_live_size(trained, e
 
     jax.monitoring.register_event_duration_secs_listener(record)
     try:
-        requests = [
-            Request(tokenizer.encode("{"), 6, temperature=0.0),
-            Request([5] * 16, 6, temperature=0.8, top_k=5, top_p=0.9, seed=3, n=2, stop=("}",), logprobs=3),
-            *(Request([7] * n, 300, temperature=0.0, ignore_eos=True) for n in (17, 33, 64, 3, 9, 40, 2)),
-        ]
-        assert all(g.choices() for g in engine.generate(requests))
+        yield events
     finally:
         jax.monitoring.unregister_event_duration_listener(record)
-    assert events == []
-    rows, busy, widths = zip(*shapes, strict=True)
-    assert set(widths) == {16, 32} and widths.index(32) > widths.index(16)
-    assert list(rows) == [Buckets.fit(n, engine.buckets.rows) for n in busy] and len(set(rows)) > 1
+
+
+def test_requests_run_without_compiling_in_buckets_of_their_live_size(trained, engines, monkeypatch):
+    """Every step was compiled at start-up: serving prompts of every chunk length, long and short,
+    alone and batched, sampled, with stops, log-probs and n choices, and one request growing
+    through every table width, compiles nothing (the count does see a compile done meanwhile).
+    Each decode step runs as many rows as are busy (rounded up to a bucket) over a table only as
+    wide as the longest live sequence needs: 256 tokens' worth, then 512 once one passes 256,
+    then 1024 past 512; prefill steps batch prompts in every (rows, chunk) bucket."""
+    engine, tokenizer = engines(2), trained[2]
+    b = engine.buckets
+    assert b.pages == [16, 32, 64] and b.rows == [1, 2, 4, 8] and b.chunks == [16, 32]
+    decodes, prefills, real_decode, real_prefill = [], [], engine.decode_step, engine.prefill_step
+
+    def decode_step(*args):
+        decodes.append((len(args[0]), int((args[0] != engine.slots).sum()), args[3].shape[1]))  # padded, busy, width
+        return real_decode(*args)
+
+    def prefill_step(*args):
+        prefills.append((*args[1].shape, args[4].shape[1]))  # rows, chunk, width
+        return real_prefill(*args)
+
+    monkeypatch.setattr(engine, "decode_step", decode_step)
+    monkeypatch.setattr(engine, "prefill_step", prefill_step)
+    requests = [
+        Request(tokenizer.encode("{"), 6, temperature=0.0),
+        Request([5] * 16, 6, temperature=0.8, top_k=5, top_p=0.9, seed=3, n=2, stop=("}",), logprobs=3),
+        *(Request([7] * n, 60, temperature=0.0, ignore_eos=True) for n in (17, 33, 64, 3, 9, 40, 2)),
+        Request([8] * 64, 460, temperature=0.0, ignore_eos=True),  # to 523 tokens: a table of 1024
+    ]
+    with _compiles() as compiles:
+        assert all(g.choices() for g in [*engine.generate(requests), *engine.generate([Request([9] * 5, 2)])])
+        while_serving = list(compiles)
+        jax.jit(lambda x: x + 1)(np.arange(3))
+    assert while_serving == [] and compiles
+    rows, busy, widths = zip(*decodes, strict=True)
+    assert sorted(set(widths), key=widths.index) == b.pages  # each width in turn, as the longest grows
+    assert list(rows) == [Buckets.fit(n, b.rows) for n in busy] and set(rows) == set(b.rows)
+    assert {(r, c) for r, c, _ in prefills} == {(r, c) for c in b.chunks for r in b.prefill_rows(c)}
 
 
 def _decode_cost(model, pages: int, width: int, rows: int = 8):
@@ -337,6 +381,41 @@ def test_decode_step_updates_the_donated_cache_in_place(engines):
         assert memory.temp_size_in_bytes < per_device / 2, (memory.temp_size_in_bytes, per_device)
 
 
+def _with_stop_ids(workdir, directory, tokenizer, ids):
+    """The run's tokenizer.json as a model's files ship it: beside a generation_config.json that
+    names `ids` as stops besides eos (as Llama 3's names <|eot_id|>)."""
+    directory.mkdir()
+    shutil.copyfile(workdir / "tokenizer" / "tokenizer.json", directory / "tokenizer.json")
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [tokenizer.eos_id, *ids]}))
+    return get_tokenizer(directory)
+
+
+def _greedy(engine, prompts, **settings):
+    return [g.choices()[0] for g in engine.generate([Request(p, 12, temperature=0.0, **settings) for p in prompts])]
+
+
+def test_the_models_extra_stop_ids_end_a_request_and_are_not_shown(trained, engines, tmp_path, monkeypatch):
+    """generation_config.json names two more stop ids: the token one prompt's greedy
+    continuation draws k steps in (in a decode step), and another's first token (drawn by its
+    prefill). Each request ends there with 'stop', the id neither in its tokens nor its text, and
+    its pages back in the pool; with ignore_eos both run on to max_tokens as before."""
+    workdir, _, tokenizer = trained
+    engine = engines(1)
+    prompts = [tokenizer.encode("def parse(text):\n    "), tokenizer.encode('{"key": [1, 2')]
+    free = _greedy(engine, prompts, ignore_eos=True)
+    greedy, first = free[0].tokens, free[1].tokens[0]
+    # The first token from the second on that neither came before nor is the other stop.
+    k = next(k for k in range(1, len(greedy)) if greedy[k] not in greedy[:k] and first not in greedy[: k + 1])
+    stops = _with_stop_ids(workdir, tmp_path / "tokenizer", tokenizer, [greedy[k], first])
+    assert stops.stop_ids == {tokenizer.eos_id, greedy[k], first} and tokenizer.eos_id not in [*greedy, first]
+    monkeypatch.setattr(engine, "tokenizer", stops)  # what each request's stream takes its stop ids from
+    ended = [(c.tokens, c.text, c.finish_reason) for c in _greedy(engine, prompts)]
+    assert ended == [(greedy[:k], tokenizer.decode(greedy[:k]), "stop"), ([], "", "stop")]
+    assert engine.pool.in_use() == 0
+    ignored = _greedy(engine, prompts, ignore_eos=True)
+    assert [(c.tokens, c.finish_reason) for c in ignored] == [(c.tokens, "length") for c in free]
+
+
 def test_requests_beyond_the_limits_are_refused_with_the_limit(engines):
     engine = engines(1)
     for request, message in [
@@ -347,6 +426,7 @@ def test_requests_beyond_the_limits_are_refused_with_the_limit(engines):
         (Request([300]), r"prompt token ids must be in \[0, 300\)"),
         (Request([1], top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
         (Request([1], stop=("a", "b", "c", "d", "e")), "5 stop strings given; at most 4"),
+        (Request([1], stop=("end", "")), "a stop string is empty: it would end the request before any text"),
         (Request([1], logprobs=21), "logprobs=21 must be between 0 and 20"),
         (Request([1], top_k=1 << 40), "top_k=1099511627776 must be between 0 .* vocabulary's 300"),
         (Request([1], seed=1 << 32), r"seed=4294967296 must be in \[0, 2\*\*32\)"),

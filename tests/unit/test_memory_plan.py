@@ -12,7 +12,7 @@ from support.docs import runnable_block
 from support.runs import ROOT, small_config
 
 from jaxllm import plan
-from jaxllm.config import load_config
+from jaxllm.config import REMAT_POLICIES, load_config
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.train.dry_run import AS_ON_GPU, BATCH_DTYPES, lower_abstract_step, peak_bytes
 
@@ -31,8 +31,12 @@ def _config(layout, remat):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_planned_memory_follows_the_compiler(layout):
+    """Under every remat policy the planned total is within 25 % of the compiled peak (10 % at
+    most here). XLA:CPU's pinned host memory is the device's own, and its peak holds what remat
+    'offload' sends to host: for that policy the planner's device and host bytes together stand
+    against it."""
     planned, compiled = {}, {}
-    for remat in ("none", "full"):
+    for remat in REMAT_POLICIES:
         cfg = _config(LAYOUTS[layout], remat)
         planned[remat] = plan.memory(cfg)
         lowered = lower_abstract_step(cfg, make_mesh(cfg.parallel))
@@ -42,8 +46,10 @@ def test_planned_memory_follows_the_compiler(layout):
     batch = len(BATCH_DTYPES) * 4 * cfg.train.batch_size * cfg.train.seq_len // (p.data * p.fsdp)
     state = planned["full"]["params"] + planned["full"]["optimizer state (Adam m, v)"]
     assert 0 <= compiled["full"].argument_size_in_bytes - batch - state <= 16
-    for remat in planned:
-        assert 0.7 < planned[remat]["total"] / peak_bytes(compiled[remat]) < 1.45, (remat, planned[remat])
+    host = {remat: planned[remat].get(f"activations in host memory (remat {remat})", 0) for remat in planned}
+    assert host["offload"] > 0 and not any(host[remat] for remat in planned if remat != "offload")
+    ratios = {remat: (planned[remat]["total"] + host[remat]) / peak_bytes(compiled[remat]) for remat in planned}
+    assert all(0.75 <= r <= 1.25 for r in ratios.values()), ", ".join(f"{k} {r:.3f}" for k, r in ratios.items())
     # What keeping every activation costs over keeping layer inputs only.
     saved = compiled["none"].temp_size_in_bytes - compiled["full"].temp_size_in_bytes
     assert 0.75 < (planned["none"]["total"] - planned["full"]["total"]) / saved < 1.25

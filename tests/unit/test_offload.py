@@ -26,6 +26,7 @@ def _batch(cfg, seed):
 
 
 def _train(offload: bool, steps: int = 2):
+    """`steps` real updates (lr > 0 from the first), each changing every parameter."""
     cfg = small_config()
     cfg = cfg.updated(parallel=dict(data=2, fsdp=2, tensor=2, offload_optimizer=offload))
     mesh = make_mesh(cfg.parallel)
@@ -36,15 +37,20 @@ def _train(offload: bool, steps: int = 2):
         compiled = compile_train_step(run).lower(state, batch).compile()
         losses = []
         for i in range(steps):
+            before = jax.device_get(state["params"])
             state, metrics = compiled(state, jax.device_put(_batch(cfg, i), batch_sharding(mesh)))
+            assert float(metrics["lr"]) > 0 and int(metrics["skipped"]) == 0
+            moved = jax.tree.map(lambda a, b: bool(np.any(a != b)), jax.device_get(state["params"]), before)
+            assert all(jax.tree.leaves(moved)), moved
             losses.append(float(metrics["loss"]))
     return run, state, compiled, losses
 
 
 def test_offloaded_optimizer_state_lives_in_host_memory_and_changes_nothing(tmp_path):
     """Every optimizer-state array is a pinned-host input and output of the compiled step (its
-    entry layout puts each in memory space 5), params stay on device; losses, params and moments
-    equal a run without offload bit for bit, and a checkpoint restores the state into host memory."""
+    entry layout puts each in memory space 5), params stay on device; after two real updates,
+    losses, params and moments equal a run without offload bit for bit, leaf by leaf, and a
+    checkpoint restores the state into host memory."""
     run, state, compiled, losses = _train(True)
     _, plain, _, plain_losses = _train(False)
     opt_leaves = jax.tree.leaves(state["opt_state"])

@@ -1,5 +1,6 @@
-"""Sampling against numpy: greedy, temperature, top-k and top-p supports and frequencies; a draw
-depends on its request only, never on its slot or neighbours; padded ids are never drawn."""
+"""Sampling against numpy: greedy, temperature, top-k and top-p supports and frequencies, and
+temperature with top-k and top-p together; a draw depends on its request only, never on its slot
+or neighbours; padded ids are never drawn."""
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,39 @@ def test_temperature_sharpens_and_zero_is_greedy():
     cold = np.bincount(_draws(logits, temperature=0.5), minlength=VOCAB) / DRAWS
     want = PROBS**2 / (PROBS**2).sum()  # p^(1/T), renormalised
     np.testing.assert_allclose(cold, want, atol=0.03)
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+# (temperature, top_k, top_p): each top-p cut keeps another number of tokens at this temperature
+# than at 1, and no cumulative probability lies within 0.02 of its p.
+HOT_AND_COLD = [(0.5, 3, 1.0), (2.0, 3, 1.0), (0.5, 0, 0.7), (2.0, 0, 0.7), (2.0, 4, 0.68), (0.6, 4, 0.9)]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", HOT_AND_COLD)
+def test_temperature_applies_before_top_k_and_top_p(temperature, top_k, top_p):
+    """As Hugging Face's warpers do: the logits are divided by the temperature, then cut to the
+    top k and the top p of that distribution, renormalised. The draws' total-variation distance
+    from that exact distribution (computed here in numpy) is within sampling noise, and far from
+    the one that cuts the unscaled logits."""
+    logits = np.log(PROBS)
+    scaled = _softmax(logits / temperature)
+    support, unscaled_support = _support(scaled, top_k, top_p), _support(PROBS, top_k, top_p)
+    if top_p < 1:  # the case this test exists for, and no ties at the cut
+        assert support != unscaled_support
+        kept = np.sort(scaled[np.argsort(-scaled)[: top_k or VOCAB]])[::-1]
+        assert np.abs(np.cumsum(kept / kept.sum()) - top_p).min() > 0.02
+    want = np.where(np.isin(np.arange(VOCAB), list(support)), scaled, 0)
+    want /= want.sum()
+    drawn = _draws(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    got = np.bincount(drawn, minlength=VOCAB) / DRAWS
+    assert set(drawn.tolist()) == support
+    # 4000 draws of 6 outcomes: a total variation of ~0.01 is noise; cutting the unscaled logits
+    # (or drawing from them) moves it by 0.05 or more.
+    assert 0.5 * np.abs(got - want).sum() < 0.025, (got, want)
 
 
 def test_ids_past_the_vocab_are_never_drawn():

@@ -33,6 +33,24 @@ def test_a_stop_string_across_tokens_is_never_shown_and_is_left_out():
     _check_prefixes(shown)
 
 
+def test_of_several_stop_strings_the_first_in_the_text_wins():
+    """Two stops complete with the same token; the one that starts first in the text ends it,
+    whichever comes first in the list, and nothing from there on is ever shown."""
+    tokens = TOKENIZER.encode("hello world, and more")
+    assert [TOKENIZER.decode([t]) for t in tokens[:2]] == ["hello", " world"]  # both stops end in " world"
+    for stop in (["world", "lo w", "never"], ["lo w", "world"], ["never", "world", "lo wor", "lo w"]):
+        shown, stream = _stream(tokens, stop=stop)
+        assert shown == ["", "hel", "hel"] and stream.finish_reason == "stop", (stop, shown)
+        _check_prefixes(shown)
+
+
+def test_an_empty_stop_string_is_refused():
+    """It would match before any text: refused, not ignored and not ending every request at once."""
+    for stop in ([""], ["done", ""]):
+        with pytest.raises(ValueError, match="a stop string is empty: it would end the request before any text"):
+            TextStream(TOKENIZER, max_tokens=10, stop=stop)
+
+
 def test_text_that_only_looked_like_a_stop_is_released():
     shown, stream = _stream(TOKENIZER.encode("one two three"), stop=["one tw!"], max_tokens=3)
     assert shown[-1] == "one two three" and stream.finish_reason == "length"
