@@ -76,12 +76,27 @@ def _bit_sums(leaves: list[jax.Array]) -> list[jax.Array]:
     return [bit_sum(x) for x in leaves]
 
 
+def _device_memory(x: jax.Array) -> str:
+    return next(iter(x.sharding.device_set)).default_memory().kind
+
+
+def _in_host_memory(x: jax.Array) -> bool:
+    return x.sharding.memory_kind not in (None, _device_memory(x))
+
+
+def _to_device(x: jax.Array) -> jax.Array:
+    return jax.device_put(x, x.sharding.with_memory_kind(_device_memory(x)))
+
+
 def checksums(state: State) -> dict[str, list]:
     """{path: [dtype, checksum]} of each array in `state`: saved in the metadata, so that arrays
     that read back silently changed (a flipped bit on disk or on the wire) are caught at restore."""
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    arrays = [x for _, x in leaves]
     with jax.set_mesh(None):  # whatever mesh is current: the arrays say where they are
-        sums = _bit_sums([x for _, x in leaves])
+        # Arrays held in host memory (offloaded optimizer state) visit the device one at a time.
+        on_device = iter(_bit_sums([x for x in arrays if not _in_host_memory(x)]))
+        sums = [_bit_sums([_to_device(x)])[0] if _in_host_memory(x) else next(on_device) for x in arrays]
     return {
         jax.tree_util.keystr(path): [str(x.dtype), int(s.addressable_data(0))]
         for (path, x), s in zip(leaves, sums, strict=True)
