@@ -5,13 +5,13 @@ Why these numbers:
   80 layers store ≈119.0B parameters (117.8B in the layers); each layer still applies the shared QKV,
   so training costs 6 × 145.6B FLOPs per token, like Megatron's 145.6B GPT.
 - The 1200 layers sometimes quoted for this model would be ≈1.77T parameters at this width.
-- Layout: tensor 8 inside each NVLink node, fsdp 8 across the nodes, no pipeline. Of the 56 layouts that
-  fit (`python -m jaxllm.plan --config configs/120b.py --search --gpus 64 --device a100-80gb`), it is
+- Layout: tensor 8 inside each NVLink node, fsdp 8 across the nodes, no pipeline. Of the 64 layouts that
+  fit (`python -m jaxllm.plan --config configs/120b.py --search --gpus 64 --device a100-80gb`), it is 7th,
   within 1 % of the fastest estimate: 11.7 s a step, 49.5 % MFU, against 16.3 s and 35.6 % for
   tensor 8 × stage 4 × fsdp 2 with 32 microbatches. The pipeline pays its 3/35 bubble and runs at
-  one sequence per microbatch; this layout has neither, and the smallest planned memory of the five
-  fastest: 50.0 GiB with group remat and sequence parallelism, against 52.8 with full remat and
-  61.8 without sequence parallelism.
+  one sequence per microbatch; this layout has neither, and the smallest planned memory of the seven
+  fastest: 50.8 GiB with group remat and sequence parallelism, against 53.6 with full remat and
+  62.6 without sequence parallelism.
 - Its cost is the network: fsdp gathers each layer's bf16 weights for the forward and again for the
   backward and reduce-scatters fp32 gradients, 168 GB sent per GPU per step (8.4 s at 80 % of one
   200 Gb/s NIC per GPU), hidden behind 10.3 s of compute. On a fabric under ~56 % of that bandwidth
@@ -23,8 +23,8 @@ Why these numbers:
 - cuDNN flash attention: no [seq, seq] scores in memory. (`--dry-run` compiles XLA attention in its
   place, since XLA:CPU has no cuDNN, so its figures over-state attention.)
 - Memory per 80 GB GPU (`--dry-run`): 20.8 GiB of params and Adam state; a 62.1 GiB peak, 78 % of the
-  GPU, of which the XLA attention scores that cuDNN does not keep are ~18 GiB (the planner's
-  temporaries with and without them: 35.3 and 17.3 GiB).
+  GPU, of which the XLA attention scores that cuDNN does not keep are ~15 GiB (the planner's
+  temporaries with and without them: 33.0 and 18.0 GiB).
 """
 
 from jaxllm.config import base_config
