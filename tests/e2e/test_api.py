@@ -4,7 +4,6 @@ checked against a full recompute of the checkpoint's params; every guard's statu
 metric; a flood of malformed requests leaves the server as it was."""
 
 import collections
-import contextlib
 import http.client
 import json
 import re
@@ -19,8 +18,8 @@ import numpy as np
 import openai
 import pytest
 from support.docs import runnable_block
-from support.runs import ROOT, checkpoint_params, device_env, run, train_command
-from support.serving import metric_values, wait_for
+from support.runs import checkpoint_params, run, train_command
+from support.serving import metric_values, serve_process, wait_for
 
 from jaxllm.checkpoint import load_params, stored_config
 from jaxllm.data.tokenizer import load_saved_tokenizer
@@ -66,36 +65,6 @@ class Client:
         return metric_values(self.request("GET", "/metrics")[1].decode())
 
 
-@contextlib.contextmanager
-def server(source: list[str], log, *flags):
-    """`python -m jaxllm.serve SOURCE FLAGS` (SOURCE: e.g. --workdir RUN) on a free port of
-    127.0.0.1, once /health says 200; yields the port and what /health and /metrics' engine_up
-    said while it compiled."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [sys.executable, "-m", "jaxllm.serve", *map(str, source), f"--config.serve.port={port}", *flags]
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, cwd=ROOT, env=device_env(), stdout=out, stderr=subprocess.STDOUT)
-    client, statuses = Client(port), []
-
-    def healthy():
-        assert process.poll() is None, log.read_text()
-        try:
-            status = client.request("GET", "/health", key=None)[0]
-            statuses.append((status, client.metrics()["jaxllm_engine_up"]))
-        except ConnectionRefusedError:
-            return False
-        return status == 200
-
-    try:
-        wait_for(healthy, timeout=300)
-        yield port, statuses
-    finally:
-        process.terminate()
-        process.wait(30)
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """A 40-step run on the stdlib's email and json sources, served with API keys, a deny-list,
@@ -114,7 +83,7 @@ def served(tmp_path_factory):
         "--config.serve.ppl_reject=true", "--config.serve.model_name=tiny",
     ]  # fmt: skip
     log = root / "server.log"
-    with server(["--workdir", workdir], log, *flags) as (port, statuses):
+    with serve_process(["--workdir", workdir], log, *flags) as (port, statuses):
         assert (503, 0) in statuses and statuses[-1] == (200, 1), f"up before it compiled: {set(statuses)}"
         sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
         tokenizer = load_saved_tokenizer(workdir / "tokenizer")
@@ -652,7 +621,7 @@ def test_int8_weights_and_kv_cache_answer_through_http(served, tmp_path):
     want = logprobs(ids)
     flags = ["--quantize", "int8", "--config.serve.kv_dtype=int8", "--config.serve.model_name=tiny-int8",
              "--config.serve.slots=2", "--config.serve.max_len=64", "--config.serve.max_prompt_tokens=32"]  # fmt: skip
-    with server(["--workdir", workdir], tmp_path / "server.log", *flags) as (port, _):
+    with serve_process(["--workdir", workdir], tmp_path / "server.log", *flags) as (port, _):
         sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none needed", max_retries=0)
         done = sdk.completions.create(model="tiny-int8", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=1,
                                       extra_body={"ignore_eos": True})  # fmt: skip

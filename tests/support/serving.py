@@ -3,7 +3,10 @@ with the engine stepping in a thread of its own: for tests that hook into the en
 failing step) and still speak HTTP to it as clients do."""
 
 import contextlib
+import http.client
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -15,6 +18,7 @@ from jaxllm.serve.chat import ChatTemplate
 from jaxllm.serve.guards import DenyList
 from jaxllm.serve.metrics import Metrics
 from jaxllm.serve.server import Server
+from support.runs import ROOT, device_env
 
 
 @contextlib.contextmanager
@@ -56,3 +60,43 @@ def metric_values(text: str) -> dict[str, float]:
     """Prometheus text → {name[label values...]: value}."""
     samples = (s for family in text_string_to_metric_families(text) for s in family.samples)
     return {s.name + "".join(f"[{v}]" for v in s.labels.values()): s.value for s in samples}
+
+
+def _get(port: int, path: str) -> tuple[int, bytes]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+@contextlib.contextmanager
+def serve_process(source: list, log, *flags):
+    """`python -m jaxllm.serve SOURCE FLAGS` (SOURCE: e.g. --workdir RUN) on a free port of
+    127.0.0.1, once /health says 200; yields the port and the (status, engine_up) pairs that
+    /health and /metrics gave while it compiled."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "jaxllm.serve", *map(str, source), f"--config.serve.port={port}", *flags]
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, cwd=ROOT, env=device_env(), stdout=out, stderr=subprocess.STDOUT)
+    statuses = []
+
+    def healthy():
+        assert process.poll() is None, log.read_text()
+        try:
+            status = _get(port, "/health")[0]
+            statuses.append((status, metric_values(_get(port, "/metrics")[1].decode())["jaxllm_engine_up"]))
+        except ConnectionRefusedError:
+            return False
+        return status == 200
+
+    try:
+        wait_for(healthy, timeout=300)
+        yield port, statuses
+    finally:
+        process.terminate()
+        process.wait(30)

@@ -4,8 +4,10 @@ planner's commands run as written."""
 
 import collections
 import os
+import pathlib
 import re
 import subprocess
+import sys
 import tomllib
 
 from support.docs import ROOT, all_blocks, blocks, pages, runnable_block
@@ -77,6 +79,7 @@ def test_docs_planner_commands_run_as_written():
     """The planner page's commands, in the repo root: the 120B weights line the precision page
     quotes and the count of layouts the planner page gives are what they print."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PATH"] = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # `python` is this one
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", runnable_block("docs/planner.md", "plan-120b")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

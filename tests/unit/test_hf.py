@@ -18,6 +18,7 @@ import tokenizers
 from flax import nnx
 from support.numpy_llama import greedy, logits
 from support.runs import ROOT, device_env, small_config
+from support.serving import serve_process
 
 from jaxllm.checkpoint import load_params, write_export
 from jaxllm.checkpoint.hf.config import ConversionError, check_llama, fine_tuning_config
@@ -400,14 +401,12 @@ def test_a_models_own_chat_template_renders_as_transformers_renders_it(tmp_path)
 def test_serve_hf_answers_through_the_openai_api(tmp_path):
     """`serve --hf DIR`: a greedy completion is the numpy Llama's greedy continuation, and a chat
     is rendered by the model's own template."""
-    from test_api import server
-
     vocab = get_tokenizer(bpe_tokenizer(tmp_path)).vocab_size  # the server draws no id past the tokenizer's
     config, tensors = hand_built(tmp_path / "hf", vocab=vocab)
     with_tokenizer(tmp_path / "hf")
     tokenizer, prompt = get_tokenizer(tmp_path / "hf"), "Bring a Llama"
     flags = ["--config.serve.dtype=float32", "--config.serve.max_len=48", "--config.serve.slots=2"]
-    with server(["--hf", tmp_path / "hf"], tmp_path / "server.log", *flags) as (port, _):
+    with serve_process(["--hf", tmp_path / "hf"], tmp_path / "server.log", *flags) as (port, _):
         sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         done = sdk.completions.create(model="hf", prompt=prompt, max_tokens=8, temperature=0,
                                       extra_body={"ignore_eos": True})  # fmt: skip
