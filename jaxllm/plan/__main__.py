@@ -18,9 +18,9 @@ from jaxllm.plan.report import (
     activation_report,
     comm_report,
     estimate_report,
-    kv_report,
     memory_report,
     search_report,
+    serving_report,
     summary,
 )
 from jaxllm.plan.search import HEADROOM, search
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         summary(cfg, args.convention).splitlines(),
         memory_report(cfg, accelerator, args.headroom),
         activation_report(cfg),
-        kv_report(cfg.model, args.serve_batch, context, max(sizes["tensor"], 1)),
+        serving_report(cfg.model, args.serve_batch, context, max(sizes["tensor"], 1), accelerator),
         comm_report(cfg, accelerator, efficiency),
         estimate_report(cfg, efficiency),
     ]

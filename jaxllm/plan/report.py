@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from jaxllm.config import ModelConfig, RunConfig
 from jaxllm.plan.comm import communication
+from jaxllm.plan.decode import decode_limit
 from jaxllm.plan.estimate import assumptions, estimate, link_bandwidth, seconds
 from jaxllm.plan.flops import flops_per_token, megatron_flops_per_token
 from jaxllm.plan.hardware import ACCELERATORS, DEFAULT_EFFICIENCY, Accelerator, Efficiency, GiB
@@ -95,11 +96,18 @@ def activation_report(cfg: RunConfig) -> list[str]:
     return lines
 
 
-def kv_report(model: ModelConfig, batch: int, context: int, tensor: int) -> list[str]:
+def serving_report(model: ModelConfig, batch: int, context: int, tensor: int, accelerator: Accelerator) -> list[str]:
     cells = ", ".join(
         f"{dtype} {_size(kv_cache_bytes(model, batch, context, dtype, tensor)).strip()}" for dtype in KV_BYTES
     )
-    return [f"KV cache for {batch} sequence(s) × {context} tokens, per device over tensor {tensor}: {cells}"]
+    limits = ", ".join(
+        f"{n} sequence(s) {decode_limit(model, n, context, accelerator.hbm):,.0f}" for n in sorted({1, batch})
+    )
+    return [
+        f"KV cache for {batch} sequence(s) × {context} tokens, per device over tensor {tensor}: {cells}",
+        f"decode at most, tokens/s on one {accelerator.kind} ({accelerator.hbm / 1e12:.3g} TB/s, bf16 weights and "
+        f"cache read once a step, {context} tokens): {limits}",
+    ]
 
 
 def comm_report(cfg: RunConfig, accelerator: Accelerator, efficiency: Efficiency = DEFAULT_EFFICIENCY) -> list[str]:

@@ -13,8 +13,9 @@ from jaxllm.profile.trace import Summary, find_trace, read_ops, summarize
 
 class StepProfiler:
     """Call `before(step)` ahead of each step and `after(step, outputs)` once it is dispatched: the
-    trace starts before step `first` (or the first step after it, on a resumed run) and stops once
-    step `last`'s `outputs` are ready; `after` then returns the summary (else None). The trace
+    trace starts before step `first` (or the first step after it, on a resumed run), once the step
+    before it is done, and stops once step `last`'s `outputs` are ready; `after` then returns the
+    summary (else None). The trace
     (TensorBoard's profile plugin and Perfetto read it) lands in `logdir/plugins/profile/<run>/`."""
 
     def __init__(self, steps: tuple[int, int], logdir: str | pathlib.Path, *, module: str | None = None,
@@ -37,6 +38,8 @@ class StepProfiler:
             self.started = step
 
     def after(self, step: int, outputs=None) -> Summary | None:
+        if self.started is None and step + 1 == self.first:
+            jax.block_until_ready(outputs)  # the step before is done: the trace holds only its own steps
         if self.started is None or self.done or step < self.last:
             return None
         jax.block_until_ready(outputs)

@@ -27,7 +27,7 @@ import json
 import math
 import pathlib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 CATEGORIES = ("matmul", "attention", "other", *COLLECTIVES, "copy/transfer", "idle")
@@ -214,6 +214,29 @@ def empty_iterations(stage: int, schedule: tuple[int, int, int], backward: bool)
     return {n - 1 - k for k in empty} if backward else empty
 
 
+def _pipeline_loops(ops: list[Op], n: int) -> Iterator[tuple[tuple, bool, list[float]]]:
+    """One device's pipeline loops: for each, its key (execution, permute op, which loop of that
+    op's runs), whether it is a backward loop, and its n + 1 iteration boundaries (see
+    `pipeline_bubble`)."""
+    whiles = sorted(o.start for o in ops if o.name.lower().startswith("while"))
+    shifts = collections.defaultdict(list)  # (execution, permute op) -> its runs
+    for o in ops:
+        if o.category == "collective-permute":
+            shifts[o.run, o.name].append(o)
+    order: collections.Counter = collections.Counter()
+    for (run, name), runs in sorted(shifts.items(), key=lambda kv: min(o.start for o in kv[1])):
+        if len(runs) % n:
+            continue
+        runs.sort(key=lambda o: o.start)
+        backward = order[run] % 2 == 1
+        order[run] += 1
+        for c in range(0, len(runs), n):
+            loop = runs[c : c + n]
+            before = [t for t in whiles if t <= loop[0].start]
+            begin = max(before[-1] if before else loop[0].start, runs[c - 1].end if c else -math.inf)
+            yield (run, name, c), backward, [begin] + [o.end for o in loop]
+
+
 def pipeline_bubble(by_device: Mapping[str, list[Op]], schedule: tuple[int, int, int], stage_of: Mapping[str, int],
                     window_us: float) -> tuple[float | None, float | None]:  # fmt: skip
     """The measured bubble: the share of the pipeline's time in which a stage's device does not run
@@ -224,11 +247,12 @@ def pipeline_bubble(by_device: Mapping[str, list[Op]], schedule: tuple[int, int,
     gradient is a second one), each ending with the `ppermute` that shifts activations to the next
     stage. In one execution of the step, a collective-permute op that runs a multiple of n times is
     a pipeline shift; each n consecutive runs of it are one loop, whose iteration i lasts from the
-    end of shift i − 1 to the end of shift i (iteration 0 from the start of the `while` op that
-    holds it: XLA's CPU backend ends a while's event before its body's, so only its start is used).
-    Each iteration's MEASURED duration thus includes its compute and its wait for the neighbour.
-    The permute ops of one execution alternate forward, backward, in the order they first run. For
-    a device of stage s:
+    end of shift i − 1 to the end of shift i. Iteration 0 starts when the last device has entered
+    the loop (at the start of the `while` op that holds it: XLA's CPU backend ends a while's event
+    before its body's, so only its start is used): a device that enters earlier waits for the
+    others at the first shift, which is their skew, not the schedule's. Each iteration's MEASURED
+    duration thus includes its compute and its wait for the neighbour. The permute ops of one
+    execution alternate forward, backward, in the order they first run. For a device of stage s:
 
         bubble = (time of the iterations in which s holds no microbatch (see `empty_iterations`)
                   + idle time (no op running) within its other iterations) / time of the loops
@@ -238,34 +262,22 @@ def pipeline_bubble(by_device: Mapping[str, list[Op]], schedule: tuple[int, int,
     the analytic (stages − 1)/n, and departs from it as iterations' measured times differ."""
     stages, repeats, micro = schedule
     n = repeats * micro + stages - 1
+    loops = {device: list(_pipeline_loops(ops, n)) for device, ops in by_device.items() if device in stage_of}
+    entered = collections.defaultdict(lambda: -math.inf)  # loop key -> when its last device entered
+    for device_loops in loops.values():
+        for key, _, cuts in device_loops:
+            entered[key] = max(entered[key], cuts[0])
     fractions, shares = [], []
-    for device, ops in by_device.items():
-        if device not in stage_of:
-            continue
-        whiles = sorted(o.start for o in ops if o.name.lower().startswith("while"))
-        leaves = [o for o in ops if not o.container]
-        shifts = collections.defaultdict(list)  # (execution, permute op) -> its runs
-        for o in ops:
-            if o.category == "collective-permute":
-                shifts[o.run, o.name].append(o)
-        order: collections.Counter = collections.Counter()
+    for device, device_loops in loops.items():
+        leaves = [o for o in by_device[device] if not o.container]
         wasted = total = 0.0
-        for (run, _), runs in sorted(shifts.items(), key=lambda kv: min(o.start for o in kv[1])):
-            if len(runs) % n:
-                continue
-            runs.sort(key=lambda o: o.start)
-            backward = order[run] % 2 == 1
-            order[run] += 1
+        for key, backward, cuts in device_loops:
+            cuts = [min(entered[key], cuts[1]), *cuts[1:]]
             empty = empty_iterations(stage_of[device], schedule, backward)
-            for c in range(0, len(runs), n):
-                loop = runs[c : c + n]
-                before = [t for t in whiles if t <= loop[0].start]
-                begin = max(before[-1] if before else loop[0].start, runs[c - 1].end if c else -math.inf)
-                cuts = [begin] + [o.end for o in loop]
-                for i in range(n):
-                    a, b = cuts[i], cuts[i + 1]
-                    wasted += (b - a) if i in empty else partition(leaves, a, b)["idle"]
-                total += cuts[-1] - cuts[0]
+            for i in range(n):
+                a, b = cuts[i], cuts[i + 1]
+                wasted += (b - a) if i in empty else partition(leaves, a, b)["idle"]
+            total += cuts[-1] - cuts[0]
         if total > 0:
             fractions.append(wasted / total)
             shares.append(total / window_us)

@@ -10,10 +10,7 @@ import jax
 import jax.numpy as jnp
 from tensorboardX import SummaryWriter
 
-from jaxllm.plan.hardware import ACCELERATORS
-
-# Dense bf16 peak per device (FLOP/s), matched against `device_kind`: the planner's table.
-PEAK_FLOPS = {a.kind: a.bf16_flops for a in ACCELERATORS.values()}
+from jaxllm.plan.hardware import accelerator_of
 
 
 class MetricsWriter:
@@ -81,9 +78,8 @@ def peak_flops(devices: list) -> tuple[float, str]:
     """Aggregate peak FLOP/s of `devices` and where the figure comes from. Fake CPU devices share
     the host's cores, so on CPU the host's measured matmul peak is the whole budget."""
     kind = devices[0].device_kind
-    for name, peak in PEAK_FLOPS.items():
-        if name in kind:
-            return peak * len(devices), f"{name} bf16 table × {len(devices)}"
+    if (accelerator := accelerator_of(kind)) is not None:
+        return accelerator.bf16_flops * len(devices), f"{accelerator.kind} bf16 table × {len(devices)}"
     if devices[0].platform == "cpu":
         return measure_matmul_peak(), "CPU fp32 matmul peak measured at start-up"
     return float("nan"), f"unknown for {kind!r}, so MFU is NaN; add it to ACCELERATORS in jaxllm/plan/hardware.py"
