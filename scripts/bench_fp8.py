@@ -49,6 +49,12 @@ def projection_errors(dtype) -> dict[str, list[float]]:
     return errors
 
 
+def fp8_gemms(hlo: str, model) -> tuple[int, int]:
+    """The cuBLASLt FP8 GEMMs in an optimized train step's HLO, and how many there should be: every
+    projection's forward and two backward dots, per layer of the scanned group's body."""
+    return len(re.findall(re.escape(FP8_GEMM), hlo)), 3 * 7 * model.qkv_share_every
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", default="configs/tiny.py")
@@ -79,9 +85,8 @@ def main() -> int:
     print(f"FP8 / bf16 step time: {times[True] / times[False]:.2f}{label}")
     if not gpu:
         return 0
-    # Every projection, forward and both backward dots, per layer of the scanned group's body.
-    gemms, layers = len(re.findall(re.escape(FP8_GEMM), hlo)), cfg.model.qkv_share_every
-    want = 3 * 7 * layers
+    gemms, want = fp8_gemms(hlo, cfg.model)
+    layers = cfg.model.qkv_share_every
     print(f"cuBLASLt FP8 GEMMs in the optimized HLO: {gemms} (7 projections × 3 dots × {layers} layers = {want})")
     return 0 if gemms >= want else 1
 

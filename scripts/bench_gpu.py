@@ -4,7 +4,7 @@ against the device's measured peak, all side by side in one process.
     python scripts/bench_gpu.py [--config configs/1b.py] [--batch 8] [--seq 2048] [--steps 5]
 
 MFU is model FLOPs (the planner's 6·applied params + attention) per step ÷ step time ÷ peak, for
-two peaks: the datasheet's dense bf16 (jaxllm.train.metrics.PEAK_FLOPS) and a bf16 8192³ matmul
+two peaks: the datasheet's dense bf16 (the planner's accelerator table) and a bf16 8192³ matmul
 measured here, the ceiling a real step can approach. Random tokens: no data pipeline in the way.
 """
 
@@ -20,20 +20,23 @@ import numpy as np
 from jaxllm import plan
 from jaxllm.config import load_config, validate
 from jaxllm.parallel.mesh import make_mesh
+from jaxllm.profile import StepProfiler
 from jaxllm.train.metrics import measure_matmul_peak, peak_flops
 from jaxllm.train.run import build_run  # noqa: E402
 from jaxllm.train.step import compile_train_step, init_state  # noqa: E402
 
 
-def run(cfg, steps: int) -> dict:
-    mesh = make_mesh(cfg.parallel)
+def run(cfg, steps: int, profile_dir: str | None = None) -> dict:
+    """`steps` timed train steps of `cfg` on random tokens after two warm-up steps; with
+    `profile_dir`, one more step traced there and its profile summary (or why there is none)."""
+    mesh = make_mesh(cfg.parallel, jax.devices()[:1])
     t = cfg.train
     rng = np.random.default_rng(0)
     with jax.set_mesh(mesh):
         run = build_run(cfg, mesh)
         state = init_state(run)
         batches = []
-        for _ in range(steps + 2):
+        for _ in range(steps + 3):
             w = rng.integers(0, cfg.model.vocab_size, (t.batch_size, t.seq_len + 1)).astype(np.int32)
             batches.append(jax.device_put({"inputs": w[:, :-1], "targets": w[:, 1:]}, run.batch_sharding))
         start = time.perf_counter()
@@ -44,18 +47,30 @@ def run(cfg, steps: int) -> dict:
             state, metrics = compiled(state, b)
         jax.block_until_ready(metrics)
         start = time.perf_counter()
-        for b in batches[2:]:
+        for b in batches[2:-1]:
             state, metrics = compiled(state, b)
         jax.block_until_ready((state, metrics))
         step_s = (time.perf_counter() - start) / steps
-    stats = jax.devices()[0].memory_stats() or {}
+        summary = None
+        if profile_dir is not None:
+            profiler = StepProfiler((0, 0), profile_dir)
+            try:
+                profiler.before(0)
+                state, metrics = compiled(state, batches[-1])
+                summary = profiler.after(0, (state, metrics))
+            except Exception as error:  # a trace that cannot be read loses the profile, not the step's figures
+                profiler.close()
+                summary = error
+    stats = jax.devices()[0].memory_stats() or {}  # the state's buffers are still alive here
     return {
         "compile_s": compile_s,
         "step_s": step_s,
         "loss": float(metrics["loss"]),
         "compiled_gib": (mem.argument_size_in_bytes + mem.temp_size_in_bytes) / 2**30,
         "measured_peak_gib": stats.get("peak_bytes_in_use", float("nan")) / 2**30,
+        "resident_gib": stats.get("bytes_in_use", float("nan")) / 2**30,
         "hlo": compiled.as_text(),
+        "profile": summary,
     }
 
 
@@ -65,7 +80,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--remat", nargs="+", default=["none", "selective", "full"])
+    # least memory first: the device's peak is the process's so far
+    parser.add_argument("--remat", nargs="+", default=["full", "selective", "dots"])
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
         raise SystemExit("bench_gpu.py measures a GPU; this machine has none")

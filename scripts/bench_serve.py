@@ -38,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 
 import numpy as np
 
@@ -313,13 +314,12 @@ def transformers_rates(args, vocab: int) -> tuple[dict, str] | None:
 
 def bandwidth_limits(args, vocab: int, bandwidth: float) -> dict[str, float]:
     """Tokens/s at 1 sequence if each token only read the weights and its live cache once, at
-    `bandwidth` bytes/s."""
+    `bandwidth` bytes/s (the planner's decode limit, fp32 weights and cache)."""
     from jaxllm import plan
 
     cfg = model_config(args.hidden, args.layers, vocab)
-    weights = plan.param_counts(cfg.model)["total"] * 4
-    per_token = 2 * cfg.model.num_layers * cfg.model.num_kv_heads * cfg.model.head_dim * 4  # fp32 keys and values
-    return {f"context_{c}": bandwidth / (weights + per_token * c) for c in CONTEXTS} | {"bandwidth": bandwidth}
+    limit = partial(plan.decode_limit, cfg.model, 1, bandwidth=bandwidth, weights="fp32", kv="fp32")
+    return {f"context_{c}": limit(c) for c in CONTEXTS} | {"bandwidth": bandwidth}
 
 
 def report(args, new: dict, old: dict, hf, limits: dict) -> None:

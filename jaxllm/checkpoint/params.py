@@ -38,7 +38,7 @@ def abstract_params(specs: dict, mesh: Mesh, dtype: Any) -> dict:
     return jax.tree.map(target, specs, shardings, is_leaf=is_spec)
 
 
-def _quantized(params: dict, model: ModelConfig, mesh: Mesh, dtype: Any) -> dict:
+def quantize_params(params: dict, model: ModelConfig, mesh: Mesh, dtype: Any) -> dict:
     """`params` with each quantizable parameter (a dense projection's weight) in int8 (see
     `model/int8.py`; one already in int8 is kept) and the rest cast to `dtype`, placed on `mesh` by
     the rules table."""
@@ -127,7 +127,7 @@ def load_params(
     cfg, params, step = _read_params(path, target_of, step)
     if quantize is None:
         return cfg, params, step
-    params = _quantized(params, cfg.model, mesh, dtype or cfg.model.param_dtype)
+    params = quantize_params(params, cfg.model, mesh, dtype or cfg.model.param_dtype)
     return cfg.updated(model=dict(quantize=quantize)), params, step
 
 

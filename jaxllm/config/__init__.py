@@ -25,10 +25,11 @@ from jaxllm.config.sections import (
     RunConfig,
     Schedule,
     TrainConfig,
+    step_range,
 )
 
 __all__ = [
     "MESH_AXES", "REMAT_POLICIES", "CheckpointConfig", "ConfigError", "DataConfig", "Fp8Config", "InitConfig",
     "ModelConfig", "ParallelConfig", "RopeScaling", "RunConfig", "Schedule", "Section", "TrainConfig",
-    "apply_overrides", "base_config", "field", "load_config", "require", "validate", "validate_tensor",
+    "apply_overrides", "base_config", "field", "load_config", "require", "step_range", "validate", "validate_tensor",
 ]  # fmt: skip

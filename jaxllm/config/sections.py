@@ -219,6 +219,19 @@ class ParallelConfig(Section):
         return tuple(sizes)
 
 
+def step_range(text: str | None, name: str) -> tuple[int, int] | None:
+    """Steps 'A:B' (A <= B, both >= 1, inclusive) as (A, B); None for '' (off). `name` is the
+    setting, named in the error."""
+    if not text:
+        return None
+    parts = str(text).split(":")
+    fix = f"write it as A:B with 1 <= A <= B, e.g. {name}=3:4 (or '' for no profile)"
+    require(len(parts) == 2 and all(p.strip().isdigit() for p in parts), f"{name}={text!r} is not a step range; {fix}")
+    first, last = (int(p) for p in parts)
+    require(1 <= first <= last, f"{name}={text!r}: the steps must satisfy 1 <= A <= B; {fix}")
+    return first, last
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig(Section):
     """The steps and batch, AdamW with linear warmup and cosine decay to `lr · min_lr_ratio`, and the
@@ -239,6 +252,10 @@ class TrainConfig(Section):
     eps: float = field(1e-8, "Adam's epsilon")
     clip_norm: float = field(1.0, "gradients clipped to this global norm")
     log_every: int = field(10, "steps between logged metrics")
+    profile_steps: str = field(
+        "",
+        "'A:B': trace steps A to B (inclusive) with jax.profiler into WORKDIR/profile/ and print a summary ('': off)",
+    )
     sample_prompt: str = field("def ", "the end-of-training sample's prompt")
     sample_tokens: int = field(64, "the sample's length")
     sample_temperature: float = field(0.7, "the sample's temperature (0: greedy)")
@@ -249,6 +266,12 @@ class TrainConfig(Section):
         super().__post_init__()
         for name in ("steps", "batch_size", "seq_len", "grad_accum_steps", "log_every", "sample_tokens"):
             require(getattr(self, name) >= 1, f"train.{name}={getattr(self, name)} must be at least 1")
+        if (profiled := step_range(self.profile_steps, "train.profile_steps")) is not None:
+            require(
+                profiled[1] <= self.steps,
+                f"train.profile_steps={self.profile_steps!r} ends after train.steps={self.steps}; profile steps "
+                f"up to {self.steps} or train longer",
+            )
         require(bool(self.sample_prompt), "train.sample_prompt is empty; give the end-of-training sample a prompt")
         require(
             self.sample_temperature >= 0 and self.sample_top_k >= 0 and 0 < self.sample_top_p <= 1,

@@ -1,7 +1,8 @@
 """The dense projections (q, k, v, o_proj, gate, up, down): their weights' declaration and the one
 op they all go through, `x` projected by each of several weights through an einsum `spec` (e.g.
-"bte,ehd->bthd"), in x's dtype. The default is plain einsums; `model.fp8.enabled` swaps in FP8
-(`fp8.py`) and `model.quantize="int8"` int8 weights (`int8.py`, serving). Attention scores, the PV
+"bte,ehd->bthd"), in x's dtype, each weight's gradient in fp32 from its dot (`project.py`). The
+default is plain einsums; `model.fp8.enabled` swaps in FP8 (`fp8.py`) and `model.quantize="int8"`
+int8 weights (`int8.py`, serving, no gradients). Attention scores, the PV
 product, the embedding and the LM head stay in the compute dtype."""
 
 from __future__ import annotations
@@ -9,13 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.config import ModelConfig
 from jaxllm.model.fp8 import fp8_projections
 from jaxllm.model.int8 import Int8Weight, int8_projections
 from jaxllm.model.params import declare
+from jaxllm.model.project import Plain
+from jaxllm.model.project import projections as projections_with
 
 Project = Callable[[jax.Array, tuple[jax.Array, ...], str], tuple[jax.Array, ...]]
 
@@ -36,9 +38,7 @@ def dense_weight(
     return declare((*lead, *shape), (*lead_axes, *axes), model.param_dtype, std=std, quantizable=True)
 
 
-def einsum_projections(x: jax.Array, weights: tuple[jax.Array, ...], spec: str) -> tuple[jax.Array, ...]:
-    """Einsums in x's (compute) dtype, the weights cast to it."""
-    return tuple(jnp.einsum(spec, x, w.astype(x.dtype)) for w in weights)
+einsum_projections: Project = projections_with(Plain())  # einsums in x's dtype, weight gradients in fp32
 
 
 def projections(model: ModelConfig) -> Project:

@@ -9,7 +9,7 @@ Scales are powers of two, so the dequantized operands (fp8 value × scale) are e
 float: the dot of dequantized operands in the compute dtype (fp32 accumulation) is what XLA's GPU
 backend fuses into one cuBLASLt FP8 GEMM taking the scales, and what the CPU executes exactly as
 an emulation. Forward dots leave cuBLASLt its fast accumulation (DEFAULT precision); gradient dots
-ask for full precision (HIGHEST).
+ask for full precision (HIGHEST), and the weight gradient's comes back in fp32 (`project.py`).
 
 An amax is the whole tensor's: sharded operands reduce through the compiler, and inside
 `shard_map` through `collectives.whole_tensor_max`, so every layout gets the same scales (a
@@ -19,12 +19,12 @@ replicated input typed as per-device costs one redundant scalar all-reduce).
 
 from __future__ import annotations
 
-from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from jaxllm.model.project import projections
 from jaxllm.parallel.collectives import whole_tensor_max
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -56,44 +56,25 @@ def quantize(x: jax.Array, dtype, reduce: bool) -> Scaled:
     return Scaled((x.astype(jnp.float32) / scale).astype(dtype), scale)
 
 
-def _dot(spec: str, a: Scaled, b: Scaled, dtype, precision) -> jax.Array:
-    return jnp.einsum(spec, a.dequantized(dtype), b.dequantized(dtype), precision=precision)
+class Fp8(NamedTuple):
+    """The FP8 encoding of `project.projections`: the input and weights in e4m3, each output
+    gradient in e5m2, quantized once per call; forward dots at DEFAULT precision (cuBLASLt's fast
+    accumulation), gradient dots at HIGHEST."""
 
+    reduce: bool
+    forward_precision: jax.lax.Precision = jax.lax.Precision.DEFAULT
+    grad_precision: jax.lax.Precision = jax.lax.Precision.HIGHEST
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _projections(x: jax.Array, weights: tuple[jax.Array, ...], spec: str, reduce: bool) -> tuple[jax.Array, ...]:
-    return _forward(x, weights, spec, reduce)[0]
+    def input(self, x: jax.Array) -> Scaled:
+        return quantize(x, E4M3, self.reduce)
 
+    weight = input
 
-def _forward(x, weights, spec, reduce):
-    qx = quantize(x, E4M3, reduce)
-    qws = tuple(quantize(w, E4M3, reduce) for w in weights)
-    outs = tuple(_dot(spec, qx, qw, x.dtype, jax.lax.Precision.DEFAULT) for qw in qws)
-    return outs, (qx, qws)  # the backward pass reads the fp8 operands: 1 byte per element
-
-
-def _backward(spec, reduce, residuals, grads):
-    """dx = Σ g·wᵀ and dw = xᵀ·g, with each output gradient g quantized once to e5m2."""
-    (qx, qws), dtype = residuals, grads[0].dtype
-    (x_dims, w_dims), y_dims = spec.split("->")[0].split(","), spec.split("->")[1]
-    dx, dws = None, []
-    for qw, g in zip(qws, grads, strict=True):
-        qg = quantize(g, E5M2, reduce)
-        term = _dot(f"{y_dims},{w_dims}->{x_dims}", qg, qw, dtype, jax.lax.Precision.HIGHEST)
-        dx = term if dx is None else dx + term
-        dws.append(_dot(f"{x_dims},{y_dims}->{w_dims}", qx, qg, dtype, jax.lax.Precision.HIGHEST))
-    return dx, tuple(dws)
-
-
-_projections.defvjp(_forward, _backward)
+    def grad(self, g: jax.Array) -> Scaled:
+        return quantize(g, E5M2, self.reduce)
 
 
 def fp8_projections(amax_reduce: str):
-    """The FP8 projection op; weights are first cast to the input's (compute) dtype, as the
-    compute-dtype op does."""
-    reduce = amax_reduce == "global"
-
-    def project(x: jax.Array, weights: tuple[jax.Array, ...], spec: str) -> tuple[jax.Array, ...]:
-        return _projections(x, tuple(w.astype(x.dtype) for w in weights), spec, reduce)
-
-    return project
+    """The FP8 projection op (weights cast to the input's compute dtype inside it, as the plain op
+    does; their gradients come back in fp32)."""
+    return projections(Fp8(amax_reduce == "global"))

@@ -11,12 +11,15 @@ Weights, as Megatron keeps them: the loop reads compute-dtype (bf16) copies gath
 once per step, while their gradients add up per device in fp32 across all iterations and are
 reduced over the data-parallel devices once, in fp32, after the loop. (A scan sums a constant's
 cotangent in that constant's dtype, so the bf16 copies pass no gradient; each use hands its
-cotangent to an fp32 "sink" shaped like the copy instead.)
+cotangent to an fp32 "sink" shaped like the copy instead. A projection weight reaches its op as a
+`Copy`, copy and sink, and the op's weight-gradient dot writes its fp32 result to the sink, never
+rounded to bf16 on the way; a norm's weight, kept in fp32, passes its cotangent to the sink.)
 """
 
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +90,26 @@ def _grad_sink_bwd(spec, _, grad):
 _grad_sink.defvjp(_grad_sink_fwd, _grad_sink_bwd)
 
 
+class Copy(NamedTuple):
+    """A projection weight as the loop's projections take it: `values`, the compute-dtype copy,
+    and `sink`, where the projection op (`jaxllm.model.project`) puts its fp32 gradient."""
+
+    values: jax.Array
+    sink: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.values.ndim
+
+    @property
+    def dtype(self):
+        return self.values.dtype
+
+
 @jax.custom_vjp
 def _with_fp32_grad(copy: jax.Array, sink: jax.Array) -> jax.Array:
     """`copy`, whose cotangent goes to `sink` in fp32."""
@@ -102,6 +125,12 @@ def _with_fp32_grad_bwd(_, grad):
 
 
 _with_fp32_grad.defvjp(_with_fp32_grad_fwd, _with_fp32_grad_bwd)
+
+
+def _loop_weight(copy: jax.Array, sink: jax.Array, spec) -> Copy | jax.Array:
+    """What the loop computes with: a projection's weight as a `Copy`, any other (a norm's, kept in
+    fp32) as its copy passing its cotangent to the sink."""
+    return Copy(copy, sink) if spec.quantizable else _with_fp32_grad(copy, sink)
 
 
 def _merge(a: jax.Array) -> jax.Array:
@@ -142,7 +171,9 @@ def pipeline_stack(groups, specs, x: jax.Array, ctx, schedule: Schedule, stack_f
             stage_in, waiting = carry
             work = i - stage  # repeat·M + microbatch of this stage's current work
             repeat, mb = jnp.clip(work // m, 0, r - 1), work % m
-            weights = jax.tree.map(lambda c, sink: _with_fp32_grad(c[repeat], sink[repeat]), copies, sinks)
+            weights = jax.tree.map(
+                lambda c, sink, spec: _loop_weight(c[repeat], sink[repeat], spec), copies, sinks, specs
+            )
             out = stack_fn(weights, stage_in, jax.tree.map(lambda a: a[mb], ctx_micro))
             shifted = jax.lax.ppermute(out, "stage", to_next_stage)  # on stage 0: the last stage's output
             if delay:

@@ -1,5 +1,6 @@
 """An estimated step time and MFU on a named accelerator, from peak FLOP/s, link bandwidths and the
-planner's FLOPs and communication. The assumptions (`ASSUMPTIONS`) are printed with every estimate."""
+planner's FLOPs and communication. The assumptions (`assumptions`) are printed with every estimate;
+the matmul and link efficiencies are `hardware.Efficiency`'s defaults unless a fitted one is given."""
 
 from __future__ import annotations
 
@@ -9,17 +10,29 @@ import math
 from jaxllm.config import MESH_AXES, RunConfig
 from jaxllm.plan.comm import Transfer, communication
 from jaxllm.plan.flops import flops_per_token, recomputed_flops_per_token
-from jaxllm.plan.hardware import LINK_EFFICIENCY, MATMUL_EFFICIENCY, Accelerator
+from jaxllm.plan.hardware import DEFAULT_EFFICIENCY, Accelerator, Efficiency
 from jaxllm.plan.memory import mesh_sizes
 
-ASSUMPTIONS = (
-    f"matmuls at {MATMUL_EFFICIENCY:.0%} of the dense peak (FP8's where model.fp8 is on), recomputation included",
-    f"collectives as rings at {LINK_EFFICIENCY:.0%} of the link: NVLink inside a node, the GPU's NIC across nodes",
-    "mesh axes laid out data, fsdp, stage, tensor from outer to inner over nodes of 8 GPUs",
-    "tensor and stage transfers exposed (they sit between dependent matmuls); data and fsdp transfers "
-    "overlap compute and cost only what exceeds it",
-    "a pipeline stage is idle for the bubble's share of the step",
-)
+
+def _share(x: float) -> str:
+    return f"{x:.0%}" if x >= 0.01 else f"{x:.3g}"
+
+
+def assumptions(efficiency: Efficiency = DEFAULT_EFFICIENCY) -> tuple[str, ...]:
+    fitted = "" if efficiency.source == "defaults" else f" (fitted: {efficiency.source})"
+    return (
+        f"matmuls at {_share(efficiency.matmul)} of the dense peak (FP8's where model.fp8 is on), recomputation "
+        f"included{fitted}",
+        f"collectives as rings at {_share(efficiency.link)} of the link: NVLink inside a node, the GPU's NIC across "
+        f"nodes{fitted}",
+        "mesh axes laid out data, fsdp, stage, tensor from outer to inner over nodes of 8 GPUs",
+        "tensor and stage transfers exposed (they sit between dependent matmuls); data and fsdp transfers "
+        "overlap compute and cost only what exceeds it",
+        "a pipeline stage is idle for the bubble's share of the step",
+    )
+
+
+ASSUMPTIONS = assumptions()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +51,11 @@ class Estimate:
     def mfu(self) -> float:
         return self.model_flops / (self.step * self.peak)
 
+    @property
+    def comm_share(self) -> float:
+        """The step's share of transfers not hidden behind compute."""
+        return (self.step - self.compute) / self.step
+
 
 def link_bandwidth(axes: tuple[str, ...], sizes: dict[str, int], accelerator: Accelerator) -> float:
     """Bytes/s one way per GPU for a group over `axes`: NVLink when the group's devices sit in one
@@ -50,24 +68,25 @@ def link_bandwidth(axes: tuple[str, ...], sizes: dict[str, int], accelerator: Ac
     return accelerator.nvlink if span <= accelerator.per_node else accelerator.network
 
 
-def seconds(transfer: Transfer, sizes: dict[str, int], accelerator: Accelerator) -> float:
-    bandwidth = link_bandwidth(transfer.axes, sizes, accelerator) * LINK_EFFICIENCY
+def seconds(transfer: Transfer, sizes: dict[str, int], accelerator: Accelerator,
+            efficiency: Efficiency = DEFAULT_EFFICIENCY) -> float:  # fmt: skip
+    bandwidth = link_bandwidth(transfer.axes, sizes, accelerator) * efficiency.link
     return transfer.wire_bytes(sizes) / bandwidth
 
 
-def estimate(cfg: RunConfig, accelerator: Accelerator) -> Estimate:
+def estimate(cfg: RunConfig, accelerator: Accelerator, efficiency: Efficiency = DEFAULT_EFFICIENCY) -> Estimate:
     m, t = cfg.model, cfg.train
     sizes = mesh_sizes(cfg)
     devices, tokens = math.prod(sizes.values()), t.batch_size * t.seq_len
     model_flops = flops_per_token(m, t.seq_len) * tokens / devices
     hardware_flops = model_flops + recomputed_flops_per_token(cfg) * tokens / devices
     peak = accelerator.fp8_flops if m.fp8.enabled else accelerator.bf16_flops
-    compute = hardware_flops / (peak * MATMUL_EFFICIENCY)
+    compute = hardware_flops / (peak * efficiency.matmul)
     if (schedule := cfg.parallel.schedule) is not None:
         compute /= 1 - schedule.bubble
     exposed = overlapped = 0.0
     for transfer in communication(cfg):
-        time = seconds(transfer, sizes, accelerator)
+        time = seconds(transfer, sizes, accelerator, efficiency)
         if {"tensor", "stage"} & set(transfer.axes):
             exposed += time
         else:

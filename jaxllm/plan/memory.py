@@ -144,7 +144,7 @@ def memory_table(planned: dict[str, float]) -> list[str]:
     return [f"  {name:<42}{n / scale:10.2f} {unit}" for name, n in planned.items()]
 
 
-KV_BYTES = {"bf16": 2, "fp8": 1, "int8": 1}
+KV_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1, "int8": 1}
 KV_SCALE_BYTES = {"int8": 4}  # one fp32 scale per token, head and K or V (see model/cache.py)
 
 

@@ -51,7 +51,7 @@ def applied_matmul_params(model: ModelConfig) -> int:
     return model.num_layers * per_layer + h * s.padded_vocab
 
 
-WEIGHT_BYTES = {"bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
 
 
 def weight_bytes(model: ModelConfig) -> dict[str, float]:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from jaxllm.config import ModelConfig, RunConfig
 from jaxllm.plan.comm import communication
-from jaxllm.plan.estimate import ASSUMPTIONS, estimate, link_bandwidth, seconds
+from jaxllm.plan.decode import decode_limit
+from jaxllm.plan.estimate import assumptions, estimate, link_bandwidth, seconds
 from jaxllm.plan.flops import flops_per_token, megatron_flops_per_token
-from jaxllm.plan.hardware import ACCELERATORS, Accelerator, GiB
+from jaxllm.plan.hardware import ACCELERATORS, DEFAULT_EFFICIENCY, Accelerator, Efficiency, GiB
 from jaxllm.plan.memory import (
     KV_BYTES,
     korthikanti_layer_bytes,
@@ -95,21 +96,28 @@ def activation_report(cfg: RunConfig) -> list[str]:
     return lines
 
 
-def kv_report(model: ModelConfig, batch: int, context: int, tensor: int) -> list[str]:
+def serving_report(model: ModelConfig, batch: int, context: int, tensor: int, accelerator: Accelerator) -> list[str]:
     cells = ", ".join(
         f"{dtype} {_size(kv_cache_bytes(model, batch, context, dtype, tensor)).strip()}" for dtype in KV_BYTES
     )
-    return [f"KV cache for {batch} sequence(s) × {context} tokens, per device over tensor {tensor}: {cells}"]
+    limits = ", ".join(
+        f"{n} sequence(s) {decode_limit(model, n, context, accelerator.hbm):,.0f}" for n in sorted({1, batch})
+    )
+    return [
+        f"KV cache for {batch} sequence(s) × {context} tokens, per device over tensor {tensor}: {cells}",
+        f"decode at most, tokens/s on one {accelerator.kind} ({accelerator.hbm / 1e12:.3g} TB/s, bf16 weights and "
+        f"cache read once a step, {context} tokens): {limits}",
+    ]
 
 
-def comm_report(cfg: RunConfig, accelerator: Accelerator) -> list[str]:
+def comm_report(cfg: RunConfig, accelerator: Accelerator, efficiency: Efficiency = DEFAULT_EFFICIENCY) -> list[str]:
     sizes = mesh_sizes(cfg)
     lines = [f"communication per device per step (array × runs; bytes sent by a ring; time on {accelerator.kind}):"]
     sent = {}  # bytes sent per mesh-axis group, and over which link
     for x in communication(cfg):
         lines.append(
             f"  {x.what:<62}{x.op:<19}{'×'.join(x.axes):<18}{x.array / 1e9:10.4f} GB × {x.count:<6g}"
-            f"{x.wire_bytes(sizes) / 1e9:10.3f} GB {seconds(x, sizes, accelerator) * 1e3:9.2f} ms"
+            f"{x.wire_bytes(sizes) / 1e9:10.3f} GB {seconds(x, sizes, accelerator, efficiency) * 1e3:9.2f} ms"
         )
         link = "NVLink" if link_bandwidth(x.axes, sizes, accelerator) == accelerator.nvlink else "network"
         key = ("×".join(x.axes), link)
@@ -121,17 +129,17 @@ def comm_report(cfg: RunConfig, accelerator: Accelerator) -> list[str]:
     return lines
 
 
-def estimate_report(cfg: RunConfig) -> list[str]:
+def estimate_report(cfg: RunConfig, efficiency: Efficiency = DEFAULT_EFFICIENCY) -> list[str]:
     t = cfg.train
     lines = ["estimated step (compute incl. bubble | tensor+stage transfers | data+fsdp transfers, overlapped):"]
     for name, accelerator in ACCELERATORS.items():
-        e = estimate(cfg, accelerator)
+        e = estimate(cfg, accelerator, efficiency)
         tokens = t.batch_size * t.seq_len / e.step
         lines.append(
             f"  {name:<11}{e.compute:9.3f} s |{e.exposed:9.3f} s |{e.overlapped:9.3f} s  → step {e.step:8.3f} s, "
             f"{tokens:12,.0f} tokens/s, MFU {e.mfu:.1%}"
         )
-    lines += ["  assuming:"] + [f"    {a}" for a in ASSUMPTIONS]
+    lines += ["  assuming:"] + [f"    {a}" for a in assumptions(efficiency)]
     return lines
 
 

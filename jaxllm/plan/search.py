@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 from jaxllm.config import ConfigError, RunConfig, validate
 from jaxllm.plan.estimate import Estimate, estimate
-from jaxllm.plan.hardware import Accelerator
+from jaxllm.plan.hardware import DEFAULT_EFFICIENCY, Accelerator, Efficiency
 from jaxllm.plan.memory import memory
 
 REMATS = ("none", "selective", "full", "group")  # `dots` keeps about what `selective` does; `offload` needs host memory
@@ -72,7 +72,11 @@ def layouts(cfg: RunConfig, gpus: int, per_node: int) -> Iterator[Layout]:
 
 
 def search(
-    cfg: RunConfig, gpus: int, accelerator: Accelerator, headroom: float = HEADROOM
+    cfg: RunConfig,
+    gpus: int,
+    accelerator: Accelerator,
+    headroom: float = HEADROOM,
+    efficiency: Efficiency = DEFAULT_EFFICIENCY,
 ) -> tuple[list[Candidate], int]:
     """(the layouts that pass the checks and fit, fastest first; how many passed the checks)."""
     fitting, valid = [], 0
@@ -85,5 +89,5 @@ def search(
         valid += 1
         total = memory(candidate)["total"]
         if total <= accelerator.memory * (1 - headroom):
-            fitting.append(Candidate(layout, total, estimate(candidate, accelerator)))
+            fitting.append(Candidate(layout, total, estimate(candidate, accelerator, efficiency)))
     return sorted(fitting, key=lambda c: c.estimate.step), valid

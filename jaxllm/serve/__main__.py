@@ -14,9 +14,10 @@ from absl import logging
 
 from jaxllm import cli
 from jaxllm.checkpoint.hf.config import require_hf_dir
-from jaxllm.config import ConfigError, RunConfig
+from jaxllm.config import ConfigError, RunConfig, step_range
 from jaxllm.data.tokenizer import prompt_ids
 from jaxllm.errors import exit_on_error
+from jaxllm.profile import StepProfiler
 from jaxllm.serve.api import create_app
 from jaxllm.serve.chat import ChatTemplate
 from jaxllm.serve.generation import Limits, Request
@@ -45,11 +46,25 @@ def _parser():
     parser.add_argument("--max-tokens", type=int, default=64, help="with --prompt: tokens to generate per prompt")
     parser.add_argument("--temperature", type=float, default=0.0, help="with --prompt: 0 is greedy")
     parser.add_argument("--seed", type=int, default=0, help="with --prompt: the sampling seed")
+    parser.add_argument("--profile-steps", default="", help="'A:B': trace engine steps A to B (inclusive) with "
+                        "jax.profiler into --profile-dir and print a summary")  # fmt: skip
+    parser.add_argument("--profile-dir", help="where --profile-steps writes its trace (default: WORKDIR/profile "
+                        "with --workdir, else ./profile)")  # fmt: skip
     return parser
+
+
+def profiler(args) -> StepProfiler | None:
+    """The --profile-steps profiler (None without it); it prints its summary when it ends."""
+    steps = step_range(args.profile_steps, "--profile-steps")
+    if steps is None:
+        return None
+    logdir = args.profile_dir or (pathlib.Path(args.workdir) / "profile" if args.workdir else "profile")
+    return StepProfiler(steps, logdir, on_summary=lambda s: print(s.format(), flush=True))
 
 
 def complete_prompts(path: str, serving: Serving, tokenizer, args) -> None:
     engine = start_engine(path, serving, tokenizer)
+    engine.profiler = profiler(args)
     requests = [
         Request(prompt_ids(tokenizer, p), args.max_tokens, args.temperature, seed=args.seed) for p in args.prompt
     ]
@@ -83,6 +98,7 @@ def serve_http(path: str, serving: Serving, tokenizer, args) -> None:
     def run_engine() -> None:
         try:
             server.engine = start_engine(path, serving, tokenizer)
+            server.engine.profiler = profiler(args)
             print(f"serve: {server.model_name!r} ready at http://{s.host}:{s.port}/v1", flush=True)
             server.engine.serve_forever(stop, server.metrics.step_slots.observe)
         except Exception as e:
@@ -105,6 +121,7 @@ def serve_http(path: str, serving: Serving, tokenizer, args) -> None:
 def main(argv: list[str] | None = None) -> None:
     rest, texts = cli.split_overrides(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(rest)
+    step_range(args.profile_steps, "--profile-steps")  # refused before anything loads
     cli.quiet_jax_logs()
     logging.set_verbosity(logging.WARNING)
     if args.hf is not None:

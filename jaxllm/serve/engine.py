@@ -37,6 +37,7 @@ from jaxllm.model.cache import AXES, SCRATCH_PAGE, KVCache
 from jaxllm.model.decoder import Model
 from jaxllm.model.sampling import Sampling
 from jaxllm.parallel.rules import logical_spec
+from jaxllm.profile import StepProfiler
 from jaxllm.serve.generation import Generation, Limits, Logprob, Request, RequestError, RequestFailed, Unavailable
 from jaxllm.serve.guards import prompt_perplexity
 from jaxllm.serve.pages import PagePool
@@ -81,6 +82,8 @@ class Engine:
         self.failure: BaseException | None = None  # why the engine stopped, if it did
         self.restarts = 0  # caches rebuilt after a failed step
         self._failed_in_a_row = 0
+        self.steps_run = 0
+        self.profiler: StepProfiler | None = None  # traces engine steps A..B when set (--profile-steps)
         with jax.set_mesh(mesh):
             pool = NamedSharding(mesh, logical_spec(AXES))  # an int8 cache's scales too (their head_dim is 1)
             self._shardings = (pool, NamedSharding(mesh, P()))
@@ -185,7 +188,16 @@ class Engine:
 
     def step(self) -> int:
         """Plans and dispatches the next step, then reads back the one before; returns how many
-        sequences the dispatched decode step advances."""
+        sequences the dispatched decode step advances. Steps count from 1 (for `profiler`)."""
+        self.steps_run += 1
+        if self.profiler is None:
+            return self._step()
+        self.profiler.before(self.steps_run)
+        rows = self._step()
+        self.profiler.after(self.steps_run, [d.tokens for d in self._dispatched])
+        return rows
+
+    def _step(self) -> int:
         self._take_incoming()
         self._drop_ended()
         plan = self.scheduler.plan()

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from jaxllm import heartbeat, plan
 from jaxllm.checkpoint import Checkpointer
 from jaxllm.checkpoint.layout import to_canonical
-from jaxllm.config import RunConfig, validate
+from jaxllm.config import RunConfig, step_range, validate
 from jaxllm.data.dataset import prepare_data
 from jaxllm.data.loader import eval_batches, train_batches
 from jaxllm.data.tokenizer import prompt_ids, save_tokenizer
@@ -25,8 +25,10 @@ from jaxllm.model.decoder import Model
 from jaxllm.model.generate import generate
 from jaxllm.model.sampling import Sampling
 from jaxllm.parallel.mesh import describe, make_mesh
+from jaxllm.profile import OncePerRun, StepProfiler
+from jaxllm.profile.capture import stages_of
 from jaxllm.train.faults import NonFiniteSteps, Preemption
-from jaxllm.train.metrics import MetricsWriter, memory_in_use, peak_flops
+from jaxllm.train.metrics import MetricsWriter, memory_fractions, memory_in_use, peak_flops
 from jaxllm.train.run import Run, State, build_run
 from jaxllm.train.step import compile_eval_step, compile_train_step, init_state
 
@@ -56,13 +58,15 @@ def train(cfg: RunConfig, workdir: str | pathlib.Path, *, progress: bool = True,
         loop = Loop(run, workdir, data, peak, progress, hooks or Hooks())
         try:
             for step in loop.bar:
+                loop.profiler.before(step)
                 loop.state, metrics = loop.step_fn(loop.state, loop.next_batch(step))
+                profiled = loop.profiler.after(step, (loop.state, metrics))
                 heartbeat.beat(step)
                 loop.handle_non_finite(loop.non_finite.push(step, metrics["skipped"]))
                 loop.checkpoint(step)
                 loop.hooks.stepped(step, loop)
                 stopping = loop.preemption.reached(step)
-                loop.log(step, metrics, force=stopping)
+                loop.log(step, metrics, force=stopping or profiled is not None)
                 if stopping:
                     loop.save_and_stop(step)
                     return loop.last
@@ -169,6 +173,15 @@ class Loop:
             mininterval=1.0,
         )
         self.last, self.latest_val = {}, {}
+        self.warnings = OncePerRun()  # each out-of-band ratio warned about once a run
+        self.profiler = StepProfiler(
+            step_range(t.profile_steps, "train.profile_steps") or (0, -1),
+            pathlib.Path(workdir) / "profile",
+            module="jit_train_step",
+            schedule=tuple(run.schedule) if run.schedule is not None else None,
+            stage_of=stages_of(run.mesh),
+            on_summary=lambda s: print(s.format(), flush=True) if jax.process_index() == 0 else None,
+        )
         self.clock, self.clock_step, self.saved_step = time.perf_counter(), self.start, self.start
 
     def _global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -225,6 +238,10 @@ class Loop:
                 metrics["bubble"] = self.run.schedule.bubble
             if (mem := memory_in_use()) is not None:
                 metrics["memory_bytes"] = mem
+            metrics |= memory_fractions()
+            if self.profiler.summary is not None and self.profiler.last == step:
+                metrics |= self.profiler.summary.metrics()
+            self.warn(metrics)
             if evaluating:
                 self.latest_val = self.evaluate()
                 metrics |= self.latest_val
@@ -233,6 +250,12 @@ class Loop:
             self.bar.set_postfix(self._postfix(metrics))
         if step == self.start + 1 or evaluating or step % t.log_every == 0:
             self.clock, self.clock_step = time.perf_counter(), step  # compilation and evaluation are not training time
+
+    def warn(self, metrics: dict) -> None:
+        """One warning a run for each health ratio outside its band (see jaxllm.profile.health)."""
+        for warning in self.warnings.new(metrics):
+            if jax.process_index() == 0:
+                print(f"warning: {warning}", flush=True)
 
     def _postfix(self, metrics: dict) -> dict[str, str]:
         """What the progress bar shows: only figures measured so far (no validation loss before
@@ -261,6 +284,7 @@ class Loop:
         return tokenizer.decode(tokens[len(tokenizer.prompt_prefix) :])
 
     def close(self) -> None:
+        self.profiler.close()
         self.bar.close()
         self.preemption.close()
         self.writer.close()

@@ -10,10 +10,7 @@ import jax
 import jax.numpy as jnp
 from tensorboardX import SummaryWriter
 
-from jaxllm.plan.hardware import ACCELERATORS
-
-# Dense bf16 peak per device (FLOP/s), matched against `device_kind`: the planner's table.
-PEAK_FLOPS = {a.kind: a.bf16_flops for a in ACCELERATORS.values()}
+from jaxllm.plan.hardware import accelerator_of
 
 
 class MetricsWriter:
@@ -81,9 +78,8 @@ def peak_flops(devices: list) -> tuple[float, str]:
     """Aggregate peak FLOP/s of `devices` and where the figure comes from. Fake CPU devices share
     the host's cores, so on CPU the host's measured matmul peak is the whole budget."""
     kind = devices[0].device_kind
-    for name, peak in PEAK_FLOPS.items():
-        if name in kind:
-            return peak * len(devices), f"{name} bf16 table × {len(devices)}"
+    if (accelerator := accelerator_of(kind)) is not None:
+        return accelerator.bf16_flops * len(devices), f"{accelerator.kind} bf16 table × {len(devices)}"
     if devices[0].platform == "cpu":
         return measure_matmul_peak(), "CPU fp32 matmul peak measured at start-up"
     return float("nan"), f"unknown for {kind!r}, so MFU is NaN; add it to ACCELERATORS in jaxllm/plan/hardware.py"
@@ -93,3 +89,18 @@ def memory_in_use() -> float | None:
     """Bytes in use on the first local device, where the backend reports it (GPUs do, CPU does not)."""
     stats = jax.local_devices()[0].memory_stats()
     return float(stats["bytes_in_use"]) if stats and "bytes_in_use" in stats else None
+
+
+def memory_fractions(stats: dict | None = None) -> dict[str, float]:
+    """Memory in use and its peak as fractions of the device's capacity (`bytes_limit`), from the
+    first local device's `memory_stats()` (or `stats`); empty where the backend reports none (CPU)."""
+    stats = jax.local_devices()[0].memory_stats() if stats is None else stats
+    if not stats or not stats.get("bytes_limit"):
+        return {}
+    limit = float(stats["bytes_limit"])
+    out = {}
+    if "bytes_in_use" in stats:
+        out["memory_fraction"] = stats["bytes_in_use"] / limit
+    if "peak_bytes_in_use" in stats:
+        out["memory_peak_fraction"] = stats["peak_bytes_in_use"] / limit
+    return out

@@ -132,7 +132,7 @@ def test_the_defaults_alone_are_a_valid_config():
 
 
 def test_120b_layout_is_valid_on_64_devices():
-    assert validate(load_config("configs/120b.py"), 64) == (1, 2, 4, 8)
+    assert validate(load_config("configs/120b.py"), 64) == (1, 8, 1, 8)
 
 
 def test_missing_config_file():

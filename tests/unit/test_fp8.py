@@ -27,8 +27,10 @@ from support.runs import small_config
 from jaxllm.config import REMAT_POLICIES
 from jaxllm.model import Decoder, Model, layers, params_of
 from jaxllm.model.decoder import _remat_wrappers
+from jaxllm.model.dense import einsum_projections
 from jaxllm.model.fp8 import E4M3, E5M2, fp8_projections, quantize
 from jaxllm.parallel.mesh import make_mesh
+from jaxllm.parallel.pipeline import Copy
 from jaxllm.parallel.schedule import canonical_view
 from jaxllm.plan import summary
 from jaxllm.train.run import batch_sharding, build_run
@@ -81,6 +83,47 @@ def test_op_is_fp8_arithmetic_done_independently():
         _close_to_fp32(dw, np.einsum(bwd_w, qx, qg) * sx * sg)
         want_dx = want_dx + np.einsum(bwd_x, qg, qw) * sg * sw
     _close_to_fp32(dx, want_dx)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["einsum", "fp8"])
+@pytest.mark.parametrize("pipeline", [False, True], ids=["fp32 weight", "pipeline copy"])
+def test_weight_gradient_is_the_fp32_result_of_its_dot(fp8, pipeline):
+    """bf16 compute: each weight's gradient is its dot's fp32 result, unrounded (on an fp32
+    parameter, or on the fp32 sink of a pipeline's bf16 copy), so sums over microbatches add fp32
+    terms: the backward holds a dot with an fp32 result of the weight's shape for each weight, and
+    dw equals the same dot of the bf16 operands in float64 to fp32 accuracy (a bf16 result is
+    2⁻⁹ off)."""
+    x, weights, grads = _inputs(jnp.bfloat16)
+    project = fp8_projections("global") if fp8 else einsum_projections
+
+    def dws(x, weights):
+        if pipeline:
+            weights = tuple(Copy(w.astype(jnp.bfloat16), jnp.zeros_like(w)) for w in weights)
+        return jax.vjp(lambda ws: project(x, ws, SPEC), weights)[1](grads)[0]
+
+    got = dws(x, weights)
+    got = tuple(w.sink if pipeline else w for w in got)
+    assert all(dw.dtype == jnp.float32 for dw in got)
+    jaxpr = jax.make_jaxpr(dws)(x, weights).jaxpr
+    dots = [e.outvars[0].aval for e in _eqns(jaxpr) if e.primitive.name == "dot_general"]
+    assert sum(a.dtype == jnp.float32 and sorted(a.shape) == sorted(weights[0].shape) for a in dots) == 2, dots
+    _, _, bwd_w = _einsums(SPEC)
+    for g, dw in zip(grads, got, strict=True):
+        xs, gs = np.asarray(x, np.float64), np.asarray(g, np.float64)
+        if fp8:
+            (xs, sx), (gs, sg) = _scaled(xs, ml_dtypes.float8_e4m3fn), _scaled(gs, ml_dtypes.float8_e5m2)
+            xs, gs = xs * sx, gs * sg
+        _close_to_fp32(dw, np.einsum(bwd_w, xs, gs))
+
+
+def _eqns(jaxpr):
+    """Every equation of a jaxpr, those of nested jaxprs (custom VJPs, pjit) included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+                    yield from _eqns(getattr(sub, "jaxpr", sub))
 
 
 def _close_to_fp32(got, want):

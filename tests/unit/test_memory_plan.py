@@ -66,27 +66,26 @@ def test_120b_fits_an_80gb_gpu_with_headroom_in_its_dry_run():
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert "mesh: data 1 × fsdp 2 × stage 4 × tensor 8 = 64 cpu devices" in out
+    assert "mesh: data 1 × fsdp 8 × stage 1 × tensor 8 = 64 cpu devices" in out
     peak = float(re.search(r"peak\s+([\d.]+) GiB", out).group(1))
     planned = float(re.search(r"  total\s+([\d.]+) GiB", out).group(1))
     assert peak <= 67, out
-    # fp32 params + Adam moments = 12 bytes each: layers split 64 ways, the embedding and head 16
-    # ways (tensor × fsdp; every stage holds them), plus a negligible batch
+    # fp32 params + Adam moments = 12 bytes each, every parameter split 64 ways (tensor × fsdp),
+    # plus a negligible batch
     counts = plan.param_counts(load_config("configs/120b.py").model)
-    head = counts["embedding"] + counts["lm_head"]
-    want = ((counts["total"] - head) * 12 / 64 + head * 12 / 16) / 2**30
+    want = counts["total"] * 12 / 64 / 2**30
     assert abs(float(re.search(r"arguments\s+([\d.]+) GiB", out).group(1)) - want) < 0.02
     assert 0.9 < planned / peak < 1.1, out
-    # What the dry run leaves out of XLA:CPU's default compile: an fp32 twin (4 bytes) of each
-    # gathered bf16 weight, which the planner counts with its fp32 gradient sum (2 + 4 bytes).
+    # What the dry run leaves out of XLA:CPU's default compile: an fp32 twin (4 bytes) of a layer
+    # group's gathered bf16 weights at most, which the planner counts with their fp32 gradient (2 + 4 bytes).
     cpu_peak = float(re.search(r"peak as XLA:CPU compiles by default: ([\d.]+) GiB", out).group(1))
     gathered = float(re.search(r"  gathered weights.*?([\d.]+) GiB", out).group(1))
-    assert 0.9 < (cpu_peak - peak) / (gathered * 4 / 6) < 1.1, out
+    assert 0 <= cpu_peak - peak <= gathered * 4 / 6, out
     for component in ("params", "optimizer state", "fp32 gradients", "gathered weights", "activations (remat group)"):
         assert re.search(rf"  {re.escape(component)}.*\d GiB", out), component
     # The planner's collectives against the compiled program's, loops counted (as XLA:CPU runs them).
     ratios = dict(re.findall(r"^  (reduce|gather|permute) .*planned / compiled = ([\d.]+)$", out, re.M))
-    assert set(ratios) == {"reduce", "gather", "permute"}, out[-2000:]
+    assert set(ratios) == {"reduce", "gather"}, out[-2000:]  # no pipeline: nothing permuted
     assert all(0.9 <= float(r) <= 1.1 for r in ratios.values()), ratios
 
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.runs import ROOT, small_config
@@ -28,6 +29,7 @@ from jaxllm.plan.plot import BUBBLE, schedule_grid
 from jaxllm.plan.scale_doc import page
 from jaxllm.plan.search import Layout, search
 from jaxllm.train.dry_run import AS_ON_GPU, lower_abstract_step, peak_bytes
+from jaxllm.train.step import init_params
 
 # Narayanan et al. 2021, Table 1: heads, hidden, layers → parameters (billions); V 51200, s 2048.
 MEGATRON_TABLE_1 = [(32, 4096, 36, 7.5), (80, 10240, 60, 76.1), (128, 20480, 105, 529.6), (160, 25600, 128, 1008.0)]
@@ -90,6 +92,19 @@ def test_kv_cache_bytes_equal_the_real_cache(dtype):
     name = {"bfloat16": "bf16", "int8": "int8"}[dtype]
     assert plan.kv_cache_bytes(cfg.model, 3, 40, name) == real
     assert plan.kv_cache_bytes(cfg.model, 3, 40, name, tensor=2) == real / 2
+
+
+@pytest.mark.parametrize("weights, kv", [("fp32", "float32"), ("bf16", "int8")])
+def test_decode_limit_reads_the_real_weights_and_cache_once(weights, kv):
+    cfg = small_config(num_kv_heads=4)
+    params = init_params(cfg)
+    if weights == "bf16":
+        params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+    cache = KVCache.empty(cfg.model, slots=3, max_len=40, dtype=kv)
+    read = sum(a.nbytes for a in jax.tree.leaves((params, cache.keys, cache.values)))
+    kv_name = {"float32": "fp32", "int8": "int8"}[kv]
+    assert plan.decode_bytes(cfg.model, 3, 40, weights, kv_name) == read
+    assert plan.decode_limit(cfg.model, 3, 40, 1e12, weights, kv_name) == pytest.approx(3 * 1e12 / read)
 
 
 @pytest.mark.parametrize("stages, repeats, microbatches", [(4, 1, 32), (2, 2, 4), (4, 2, 8), (3, 1, 1)])
@@ -158,7 +173,7 @@ def test_docs_scale_page_is_what_the_planner_prints_today():
 
 def test_planner_refuses_a_layout_the_trainer_would():
     cmd = [sys.executable, "-m", "jaxllm.plan", "--config", "configs/120b.py", "--config.parallel.stage=8",
-           "--config.parallel.fsdp=1"]  # fmt: skip
+           "--config.parallel.fsdp=1", "--config.parallel.microbatches=32"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "do not split into parallel.stage=8" in proc.stderr + proc.stdout
 
@@ -177,3 +192,11 @@ def test_plan_compile_sets_the_dry_runs_figures_beside_the_estimates():
     assert 0.5 < planned < 2.0 and "all-reduce" in out
     probe = "import sys, jaxllm.plan.__main__; print(sorted(m for m in sys.modules if m.startswith('jaxllm.train')))"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "[]"
+
+
+def test_benchmarks_page_quotes_the_planners_mfu_for_the_gpu_check_step():
+    cfg = load_config("configs/1b.py").updated(parallel=dict(fsdp=1), train=dict(batch_size=8, grad_accum_steps=1))
+    planned = [estimate(cfg.updated(model=dict(remat=r)), ACCELERATORS["h200"]).mfu for r in ("full", "selective")]
+    quoted = re.search(r"the planner estimates (\d+) % MFU \(`full`\) and (\d+) % \(`selective`\)",
+                       (ROOT / "docs" / "benchmarks.md").read_text())  # fmt: skip
+    assert [int(q) for q in quoted.groups()] == [int(100 * p) for p in planned]

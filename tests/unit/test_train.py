@@ -180,4 +180,7 @@ def test_four_training_steps_equal_an_independently_written_optimizer():
             assert optax.tree.norm(grads) > cfg.train.clip_norm, "clipping should be active"
             updates, opt_state = optimizer.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
-    chex.assert_trees_all_close(got, jax.device_get(params), atol=1e-6)
+    # fp32 sums in another order (the step's projections take their weight gradients from their own
+    # VJP) move an element whose Adam second moment is tiny by ~1e-6: a thousandth of a step at this
+    # lr; a wrong decay, clip or schedule moves every parameter by 1e-4 or more.
+    chex.assert_trees_all_close(got, jax.device_get(params), atol=1e-5)

@@ -1,0 +1,286 @@
+"""A step's device time, read from the trace that `jax.profiler` writes (`*.trace.json.gz`, the
+Chrome/Perfetto trace JSON that TensorBoard's profile plugin also reads).
+
+Every device op in that trace is one complete event (`"ph": "X"`) whose args name its HLO op
+(`hlo_op`) and module (`hlo_module`); on CPU the device is `args.device_ordinal` (XLA's CPU
+backend runs each fake device's ops on host threads), on GPUs the event's process is
+`/device:GPU:N`. Ops of one device may overlap (independent thunks run concurrently, and a `while`
+or `conditional` spans the ops of its body), so time is split per device into elementary intervals
+at every event boundary, and each interval goes to ONE category, the first of `CATEGORIES` that
+has an op running then:
+
+    matmul > attention > other (compute) > the collectives by kind > copies and host transfers > idle
+
+so the categories of a device add up to the profiled window exactly, and a collective counts only
+where no compute runs: the collective categories are communication NOT hidden behind compute.
+Figures are per device, averaged over devices, and per step (the window divided by the steps).
+`while`, `conditional` and `call` ops are containers: their body's ops are in the trace, so they
+count in no category (see `pipeline_bubble` for how the pipeline's loop is found).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import gzip
+import json
+import math
+import pathlib
+import re
+from collections.abc import Iterable, Iterator, Mapping
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+CATEGORIES = ("matmul", "attention", "other", *COLLECTIVES, "copy/transfer", "idle")
+CONTAINERS = ("while", "conditional", "call")
+
+# How each kind of op is named: XLA's opcode (`all-reduce.3`, `all-reduce-start`), or the JAX
+# primitive that emitted it (`psum_invariant.2`, `ppermute.16`: JAX names HLO ops after their source).
+_COLLECTIVE_NAMES = (
+    ("reduce-scatter", r"reduce[-_]scatter|psum_scatter"),  # before all-reduce: psum_scatter starts with psum
+    ("all-reduce", r"all[-_]reduce|^psum|^pmax|^pmin|^pmean"),
+    ("all-gather", r"all[-_]gather"),
+    ("all-to-all", r"all[-_]to[-_]all"),
+    ("collective-permute", r"collective[-_]permute|ppermute|^send|^recv"),
+)
+_MATMUL = r"^dot|_dot|dot_|gemm|matmul|cublas|convolution|^conv|ynn_fusion"  # ynn_fusion: XLA CPU's YNNPACK dots
+_ATTENTION = r"attention|fmha|flash|softmax|splash|mha"
+_COPY = r"^copy|^wrapped_copy|memcpy|host[-_]to[-_]device|device[-_]to[-_]host|transfer|offload"
+_LONG_OPCODE = re.compile(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start|-done)?\(")
+
+
+def categorize(name: str, long_name: str = "") -> str:
+    """The category of an HLO op from its name (and its full HLO text where the trace has it, as
+    GPU traces do in `args.long_name`)."""
+    if (m := _LONG_OPCODE.search(long_name)) is not None:
+        return m.group(1)
+    base = re.sub(r"\.\d+$", "", name.lower())
+    for kind, pattern in _COLLECTIVE_NAMES:
+        if re.search(pattern, base):
+            return kind
+    for kind, pattern in (("matmul", _MATMUL), ("attention", _ATTENTION), ("copy/transfer", _COPY)):
+        if re.search(pattern, base):
+            return kind
+    return "other"
+
+
+def is_container(name: str) -> bool:
+    return re.sub(r"\.\d+$", "", name.lower()) in CONTAINERS
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One device op of the trace, times in microseconds."""
+
+    device: str
+    name: str
+    start: float
+    end: float
+    category: str
+    run: str = ""  # the execution it belongs to (args.run_id), where the trace says
+
+    @property
+    def container(self) -> bool:
+        return is_container(self.name)
+
+
+def find_trace(logdir: str | pathlib.Path) -> pathlib.Path:
+    """The newest `*.trace.json.gz` under `logdir` (jax.profiler writes plugins/profile/<run>/)."""
+    found = sorted(pathlib.Path(logdir).glob("plugins/profile/*/*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise FileNotFoundError(f"no *.trace.json.gz under {logdir}/plugins/profile/; was a trace captured there?")
+    return found[-1]
+
+
+def read_ops(path: str | pathlib.Path, module: str | None = None) -> list[Op]:
+    """The device ops of a trace file (of HLO module `module` only, if given)."""
+    with gzip.open(path, "rt") if str(path).endswith(".gz") else open(path) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    process = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    ops = []
+    for e in events:
+        args = e.get("args") or {}
+        if e.get("ph") != "X" or "hlo_op" not in args or (module is not None and args.get("hlo_module") != module):
+            continue
+        device = args.get("device_ordinal")
+        if device is None:  # GPU/TPU traces: one process per device
+            m = re.search(r"/device:[A-Z]+:(\d+)", process.get(e["pid"], ""))
+            device = m.group(1) if m else str(e["pid"])
+        name = args["hlo_op"]
+        start = float(e["ts"])
+        ops.append(Op(str(device), name, start, start + float(e.get("dur", 0.0)),
+                      categorize(name, args.get("long_name", "")), str(args.get("run_id", ""))))  # fmt: skip
+    return ops
+
+
+def partition(ops: Iterable[Op], start: float, end: float) -> dict[str, float]:
+    """The microseconds of [start, end) in each category for one device's ops (see the module's
+    docstring for the order that decides an interval where ops of several categories overlap)."""
+    rank = {c: i for i, c in enumerate(CATEGORIES)}
+    edges = []
+    for op in ops:
+        if op.container or op.end <= start or op.start >= end:
+            continue
+        edges += [(max(op.start, start), 1, rank[op.category]), (min(op.end, end), -1, rank[op.category])]
+    edges.sort(key=lambda x: (x[0], x[1]))
+    totals = dict.fromkeys(CATEGORIES, 0.0)
+    running = collections.Counter()
+    at = start
+    for t, delta, r in edges:
+        if t > at:
+            active = [c for c, n in running.items() if n > 0]
+            totals[CATEGORIES[min(active)] if active else "idle"] += t - at
+            at = t
+        running[r] += delta
+    totals["idle"] += max(end - at, 0.0)
+    return totals
+
+
+@dataclasses.dataclass
+class Summary:
+    """A profiled window's device time per step (seconds, averaged over devices)."""
+
+    steps: int
+    step_time: float
+    categories: dict[str, float]  # seconds per step; they add up to step_time
+    top_ops: list[tuple[str, str, float, float]]  # (op, category, seconds per step, share of the step)
+    comm_share: float  # exposed collective time / step time
+    bubble: float | None = None  # see pipeline_bubble; None without a pipeline
+    pipeline_share: float | None = None  # the pipeline loops' share of the step
+    devices: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        """The scalars a metrics log keeps."""
+        out = {"profile_step_time_s": self.step_time, "comm_share": self.comm_share}
+        out |= {f"profile_{c.replace('/', '_').replace('-', '_')}_s": t for c, t in self.categories.items()}
+        if self.bubble is not None:
+            out["bubble_measured"] = self.bubble
+        return out
+
+    def format(self) -> str:
+        lines = [f"profile: {self.steps} steps on {self.devices} devices, {self.step_time * 1e3:.2f} ms a step"]
+        lines.append("  device time by category (per step, mean over devices; exposed time only):")
+        for c, t in self.categories.items():
+            lines.append(f"    {c:<20} {t * 1e3:10.3f} ms  {t / self.step_time:6.1%}")
+        lines.append(f"  top {len(self.top_ops)} ops (time per step per device, share of the step):")
+        for name, c, t, share in self.top_ops:
+            lines.append(f"    {name:<44} {c:<19} {t * 1e3:10.3f} ms  {share:6.1%}")
+        lines.append(f"  communication share (collectives not hidden behind compute): {self.comm_share:.1%}")
+        if self.bubble is not None:
+            lines.append(f"  pipeline bubble (measured): {self.bubble:.1%} of the pipeline loops, which take "
+                         f"{self.pipeline_share:.1%} of the step")  # fmt: skip
+        return "\n".join(lines)
+
+
+def summarize(ops: list[Op], steps: int, *, schedule: tuple[int, int, int] | None = None,
+              stage_of: Mapping[str, int] | None = None, top: int = 15) -> Summary:  # fmt: skip
+    """The summary of `steps` steps' device ops. With a pipeline `schedule` (stages, repeats,
+    microbatches) and each device's stage (`stage_of`, by device key), also the measured bubble."""
+    if not ops:
+        raise ValueError("the trace holds no device ops (args.hlo_op); was a step run while tracing?")
+    by_device = collections.defaultdict(list)
+    for op in ops:
+        by_device[op.device].append(op)
+    start, end = min(o.start for o in ops), max(o.end for o in ops)
+    n = len(by_device)
+    window = (end - start) * 1e-6
+    step_time = window / steps
+    totals = dict.fromkeys(CATEGORIES, 0.0)
+    for device_ops in by_device.values():
+        for c, t in partition(device_ops, start, end).items():
+            totals[c] += t * 1e-6 / n / steps
+    per_op = collections.Counter()
+    category = {}
+    for op in ops:
+        if not op.container:
+            per_op[op.name] += (op.end - op.start) * 1e-6 / n / steps
+            category[op.name] = op.category
+    top_ops = [(name, category[name], t, t / step_time) for name, t in per_op.most_common(top)]
+    comm = sum(totals[c] for c in COLLECTIVES) / step_time
+    summary = Summary(steps, step_time, totals, top_ops, comm, devices=n)
+    if schedule is not None and schedule[0] > 1 and stage_of:
+        bubble, share = pipeline_bubble(by_device, schedule, stage_of, window * 1e6)
+        summary.bubble, summary.pipeline_share = bubble, share
+    return summary
+
+
+def empty_iterations(stage: int, schedule: tuple[int, int, int], backward: bool) -> set[int]:
+    """The iterations of the pipeline's scan in which `stage` holds no microbatch: iteration k of
+    stage s works on a real microbatch for s <= k < s + repeats·microbatches; the backward scan
+    runs the iterations in reverse."""
+    stages, repeats, micro = schedule
+    n = repeats * micro + stages - 1
+    empty = {k for k in range(n) if k < stage or k >= stage + repeats * micro}
+    return {n - 1 - k for k in empty} if backward else empty
+
+
+def _pipeline_loops(ops: list[Op], n: int) -> Iterator[tuple[tuple, bool, list[float]]]:
+    """One device's pipeline loops: for each, its key (execution, permute op, which loop of that
+    op's runs), whether it is a backward loop, and its n + 1 iteration boundaries (see
+    `pipeline_bubble`)."""
+    whiles = sorted(o.start for o in ops if o.name.lower().startswith("while"))
+    shifts = collections.defaultdict(list)  # (execution, permute op) -> its runs
+    for o in ops:
+        if o.category == "collective-permute":
+            shifts[o.run, o.name].append(o)
+    order: collections.Counter = collections.Counter()
+    for (run, name), runs in sorted(shifts.items(), key=lambda kv: min(o.start for o in kv[1])):
+        if len(runs) % n:
+            continue
+        runs.sort(key=lambda o: o.start)
+        backward = order[run] % 2 == 1
+        order[run] += 1
+        for c in range(0, len(runs), n):
+            loop = runs[c : c + n]
+            before = [t for t in whiles if t <= loop[0].start]
+            begin = max(before[-1] if before else loop[0].start, runs[c - 1].end if c else -math.inf)
+            yield (run, name, c), backward, [begin] + [o.end for o in loop]
+
+
+def pipeline_bubble(by_device: Mapping[str, list[Op]], schedule: tuple[int, int, int], stage_of: Mapping[str, int],
+                    window_us: float) -> tuple[float | None, float | None]:  # fmt: skip
+    """The measured bubble: the share of the pipeline's time in which a stage's device does not run
+    its stage's work on a real microbatch, averaged over devices; and the pipeline loops' share of
+    the step.
+
+    The pipeline is a `lax.scan` of n = `repeats·microbatches + stages − 1` iterations (its
+    gradient is a second one), each ending with the `ppermute` that shifts activations to the next
+    stage. In one execution of the step, a collective-permute op that runs a multiple of n times is
+    a pipeline shift; each n consecutive runs of it are one loop, whose iteration i lasts from the
+    end of shift i − 1 to the end of shift i. Iteration 0 starts when the last device has entered
+    the loop (at the start of the `while` op that holds it: XLA's CPU backend ends a while's event
+    before its body's, so only its start is used): a device that enters earlier waits for the
+    others at the first shift, which is their skew, not the schedule's. Each iteration's MEASURED
+    duration thus includes its compute and its wait for the neighbour. The permute ops of one
+    execution alternate forward, backward, in the order they first run. For a device of stage s:
+
+        bubble = (time of the iterations in which s holds no microbatch (see `empty_iterations`)
+                  + idle time (no op running) within its other iterations) / time of the loops
+
+    Every stage of an SPMD scan computes in every iteration (on zeros where it has no microbatch),
+    so the bubble is wasted compute rather than idle time: on evenly costly iterations it equals
+    the analytic (stages − 1)/n, and departs from it as iterations' measured times differ."""
+    stages, repeats, micro = schedule
+    n = repeats * micro + stages - 1
+    loops = {device: list(_pipeline_loops(ops, n)) for device, ops in by_device.items() if device in stage_of}
+    entered = collections.defaultdict(lambda: -math.inf)  # loop key -> when its last device entered
+    for device_loops in loops.values():
+        for key, _, cuts in device_loops:
+            entered[key] = max(entered[key], cuts[0])
+    fractions, shares = [], []
+    for device, device_loops in loops.items():
+        leaves = [o for o in by_device[device] if not o.container]
+        wasted = total = 0.0
+        for key, backward, cuts in device_loops:
+            cuts = [min(entered[key], cuts[1]), *cuts[1:]]
+            empty = empty_iterations(stage_of[device], schedule, backward)
+            for i in range(n):
+                a, b = cuts[i], cuts[i + 1]
+                wasted += (b - a) if i in empty else partition(leaves, a, b)["idle"]
+            total += cuts[-1] - cuts[0]
+        if total > 0:
+            fractions.append(wasted / total)
+            shares.append(total / window_us)
+    if not fractions:
+        return None, None
+    return sum(fractions) / len(fractions), sum(shares) / len(shares)
