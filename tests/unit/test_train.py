@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from support.compare import assert_leaves_within, first_moment
+from support.compare import assert_leaves_within, first_moment, leaf_errors
 from support.faults import poisoned
 from support.runs import small_config
 
@@ -53,6 +53,23 @@ def test_gradient_accumulation_equals_one_big_batch():
     chex.assert_trees_all_close(got[3], want[3], atol=0.1 * cfg.train.lr)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     np.testing.assert_allclose(got[1][0], want[1][0], rtol=1e-5)  # the second step's params differ by noise
+
+
+def test_bf16_accumulation_of_32_microsteps_rounds_no_weight_gradient_to_bf16():
+    """bf16 compute, 32 microsteps against one batch of all their rows, as test_pipeline.py's M=32
+    test: every leaf differs by bf16's forward noise (the norms' and embedding's gradients, never a
+    bf16 dot's result, set that floor); a projection's weight gradient rounded to bf16 per microstep
+    before the fp32 sum would sit well above it. Bound: every projection leaf within 1.5× the
+    largest other leaf."""
+    cfg = small_config(num_layers=4, qkv_share_every=2, dtype="bfloat16")
+    cfg = cfg.updated(parallel=dict(data=8), train=dict(batch_size=256, seq_len=16))
+    want = _two_steps(cfg)[2]
+    got = _two_steps(cfg.updated(train=dict(grad_accum_steps=32)))[2]
+    projection = jax.tree.map(lambda s: s.quantizable, Model(cfg.model).specs, is_leaf=lambda x: hasattr(x, "axes"))
+    errors = leaf_errors(got, want)
+    kinds = dict(zip(errors, jax.tree.leaves(projection), strict=True))
+    floor = max(e for name, e in errors.items() if not kinds[name])
+    assert max(e for name, e in errors.items() if kinds[name]) <= 1.5 * floor, errors
 
 
 def test_remat_policies_give_the_same_gradients():
