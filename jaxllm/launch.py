@@ -1,12 +1,18 @@
-"""Runs N local JAX processes as one job and keeps it going.
+"""Runs a JAX job's processes as one group and keeps it going: N local processes, or, inside a SLURM
+allocation, one `srun` job step of all its tasks.
 
     python -m jaxllm.launch --nproc 2 [--max-restarts 3] -- python -m jaxllm.train --config ... --workdir DIR
+    python -m jaxllm.launch --slurm --heartbeat-dir WORKDIR/heartbeat -- python -m jaxllm.train ...  # in sbatch
 
-Each worker gets the coordinator address, its process id and count (`jax.distributed`), gloo
-collectives for CPU devices, and a heartbeat file that the training loop touches every step. The
-launcher restarts the whole group, with backoff, when any worker exits with an error or makes no
-progress for `--heartbeat-timeout` seconds (`--startup-timeout` until its first step, which
-includes compilation and data preparation). Training resumes from the last checkpoint.
+Each process writes a heartbeat file after every step (`jaxllm.heartbeat`). The launcher ends the
+group and starts it again, with backoff, when any process exits with an error or makes no progress
+for `--heartbeat-timeout` seconds (`--startup-timeout` until its first step, which includes
+compilation and data preparation); training resumes from the last checkpoint. Locally, each process
+gets the coordinator address, its process id and count; under SLURM, srun starts the tasks and JAX
+reads them from SLURM's environment, and a rerun is a new job step in the same allocation.
+
+Exit status: 0 when every process finished; 75 when the job was asked to stop (SIGTERM: preemption,
+a time limit) and saved, so running it again (SLURM: requeueing it) resumes; 1 after the last restart.
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ import time
 
 from jaxllm import cli, heartbeat
 
+PREEMPTED_EXIT = 75  # EX_TEMPFAIL: saved and stopped on request; run it again to resume
+FINISHED, PREEMPTED = heartbeat.FINISHED, heartbeat.PREEMPTED
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -30,8 +39,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
+def start_local(command: list[str], nproc: int, beats: pathlib.Path) -> list[subprocess.Popen]:
+    """`nproc` processes on this machine, joined through a coordinator on a free local port."""
+    port = _free_port()
+    return [
+        subprocess.Popen(
+            command,
+            env={**os.environ, heartbeat.ENV: str(beats), "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+                 "JAX_NUM_PROCESSES": str(nproc), "JAX_PROCESS_ID": str(i)},  # fmt: skip
+            start_new_session=True,
+        )
+        for i in range(nproc)
+    ]
+
+
+def start_slurm(command: list[str], beats: pathlib.Path) -> list[subprocess.Popen]:
+    """One job step of every task in this allocation; a task that fails ends the step."""
+    return [
+        subprocess.Popen(
+            ["srun", "--kill-on-bad-exit=1", *command], env={**os.environ, heartbeat.ENV: str(beats)},
+            start_new_session=True,
+        )
+    ]  # fmt: skip
+
+
+def _end_slurm_steps() -> None:
+    """SIGKILL to this job's running steps (the batch script's aside): when srun dies, SLURM ends its
+    step, except one whose stopped task keeps its step daemon waiting for the srun that is gone."""
+    steps = subprocess.run(["squeue", "--steps", f"--jobs={os.environ['SLURM_JOB_ID']}", "--noheader", "--format=%i"],
+                           capture_output=True, text=True).stdout.split()  # fmt: skip
+    if numbered := [s for s in steps if s.rpartition(".")[2].isdigit()]:
+        subprocess.run(["scancel", "--signal=KILL", *numbered], capture_output=True)
+
+
+def _stop(procs: list[subprocess.Popen], slurm: bool) -> None:
+    running = [p for p in procs if p.poll() is None]
+    if slurm and running:
+        _end_slurm_steps()
+    for p in running:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)  # also reaches a stopped (hung) worker and its children
     for p in procs:
@@ -39,69 +84,66 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 class _Shutdown:
-    """SIGTERM or SIGINT to the launcher: pass SIGTERM on to the workers (they save and exit), then stop."""
+    """SIGTERM or SIGINT to the launcher: the workers are to save and stop."""
 
     requested = False
 
     @classmethod
     def install(cls) -> None:
         def request(signum, frame):
-            print(f"launch: {signal.Signals(signum).name} received; asking the workers to save and stop", flush=True)
+            print(f"launch: {signal.Signals(signum).name} received; the workers save and stop", flush=True)
             cls.requested = True
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, request)
 
 
-def run_group(command: list[str], nproc: int, heartbeat_timeout: float, startup_timeout: float) -> str | None:
-    """Runs one attempt; returns None on success (or a requested shutdown), else why it failed."""
-    port = _free_port()
-    with tempfile.TemporaryDirectory(prefix="jaxllm-heartbeat-") as beats:
-        procs = []
-        for i in range(nproc):
-            env = {
-                **os.environ,
-                "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
-                "JAX_NUM_PROCESSES": str(nproc),
-                "JAX_PROCESS_ID": str(i),
-                "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
-                heartbeat.ENV: str(pathlib.Path(beats) / str(i)),
-            }
-            procs.append(subprocess.Popen(command, env=env, start_new_session=True))
-        started = time.time()
-        try:
-            while True:
-                if _Shutdown.requested:
+def run_group(
+    procs: list[subprocess.Popen], nproc: int, beats: pathlib.Path, heartbeat_timeout: float, startup_timeout: float,
+    forward: bool,
+) -> str:  # fmt: skip
+    """Watches one attempt; returns FINISHED, PREEMPTED, or why it failed. With `forward`, a shutdown
+    request is passed on as SIGTERM; without, the workers were signalled as the launcher was (SLURM
+    signals every task of a job step itself, and srun would answer a SIGTERM by killing them)."""
+    started, forwarded = time.time(), False
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            if _Shutdown.requested:
+                if forward and not forwarded:
                     for p in procs:
                         if p.poll() is None:
                             os.killpg(p.pid, signal.SIGTERM)
-                    for p in procs:
-                        p.wait()
-                    return None
-                codes = [p.poll() for p in procs]
-                if all(c == 0 for c in codes):
-                    return None
-                for i, code in enumerate(codes):
-                    if code not in (None, 0):
-                        return f"process {i} exited with code {code}"
-                for i in range(nproc):
-                    beat = pathlib.Path(beats) / str(i)
-                    since, limit = (
-                        (time.time() - beat.stat().st_mtime, heartbeat_timeout)
-                        if beat.exists()
-                        else (time.time() - started, startup_timeout)
-                    )
-                    if since > limit and codes[i] is None:
-                        what = "since its last step" if beat.exists() else "since start (no step yet)"
-                        return f"process {i} made no progress for {since:.0f} s {what}: hung"
-                time.sleep(0.5)
-        finally:
-            _stop(procs)
+                    forwarded = True
+                if all(c is not None for c in codes):
+                    return PREEMPTED
+            elif all(c == 0 for c in codes):
+                said = {heartbeat.outcome(beats, i) for i in range(nproc)}
+                return PREEMPTED if PREEMPTED in said else FINISHED
+            elif failed := [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]:
+                i, code = failed[0]
+                return f"{'srun' if not forward else f'process {i}'} exited with code {code}"
+            for i in range(nproc):
+                if heartbeat.outcome(beats, i) is not None or (forward and codes[i] is not None):
+                    continue  # stopping or stopped: no more beats to come
+                silent = heartbeat.silent_for(beats, i)
+                since, limit = (silent, heartbeat_timeout) if silent is not None else (time.time() - started,
+                                                                                     startup_timeout)  # fmt: skip
+                if since > limit and not _Shutdown.requested:
+                    what = "since its last step" if silent is not None else "since start (no step yet)"
+                    return f"process {i} made no progress for {since:.0f} s {what}: hung"
+            time.sleep(0.5)
+    finally:
+        _stop(procs, slurm=not forward)
 
 
 def main() -> None:
     parser = cli.parser("python -m jaxllm.launch", __doc__)
-    parser.add_argument("--nproc", type=int, required=True, help="processes to start on this machine")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--nproc", type=int, help="processes to start on this machine")
+    where.add_argument("--slurm", action="store_true", help="run every task of this SLURM allocation with srun")
+    parser.add_argument("--heartbeat-dir", help="where processes write their heartbeats; under SLURM on storage "
+                        "every node shares (default: a temporary directory, fine for --nproc)")  # fmt: skip
     parser.add_argument("--max-restarts", type=int, default=3)
     parser.add_argument("--heartbeat-timeout", type=float, default=300.0, help="seconds without a step")
     parser.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds until the first step")
@@ -111,22 +153,40 @@ def main() -> None:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the training command after --")
+    if args.slurm and "SLURM_NTASKS" not in os.environ:
+        parser.error("--slurm runs inside a SLURM allocation (sbatch or salloc), and SLURM_NTASKS is not set here")
+    if args.slurm and not args.heartbeat_dir:
+        parser.error("--slurm needs --heartbeat-dir on storage that every node of the job shares")
+    nproc = int(os.environ["SLURM_NTASKS"]) if args.slurm else args.nproc
+    with tempfile.TemporaryDirectory(prefix="jaxllm-heartbeat-") as scratch:
+        beats = pathlib.Path(args.heartbeat_dir or scratch)
+        sys.exit(supervise(command, nproc, beats, args))
+
+
+def supervise(command: list[str], nproc: int, beats: pathlib.Path, args: argparse.Namespace) -> int | str:
+    """Runs attempts until one finishes, the job is asked to stop, or the restarts run out."""
     backoff = args.backoff
     _Shutdown.install()
     for attempt in range(args.max_restarts + 1):
-        failure = run_group(command, args.nproc, args.heartbeat_timeout, args.startup_timeout)
-        if _Shutdown.requested:
-            print("launch: stopped on request; run the same command to resume", flush=True)
-            return
-        if failure is None:
-            print(f"launch: all {args.nproc} processes finished", flush=True)
-            return
-        print(f"launch: attempt {attempt + 1} failed: {failure}", flush=True)
+        if _Shutdown.requested:  # during the backoff
+            return PREEMPTED_EXIT
+        beats.mkdir(parents=True, exist_ok=True)
+        for old in beats.iterdir():  # an earlier attempt's beats and outcomes say nothing of this one
+            old.unlink()
+        procs = start_slurm(command, beats) if args.slurm else start_local(command, nproc, beats)
+        result = run_group(procs, nproc, beats, args.heartbeat_timeout, args.startup_timeout, forward=not args.slurm)
+        if result == FINISHED:
+            print(f"launch: all {nproc} processes finished", flush=True)
+            return 0
+        if result == PREEMPTED or _Shutdown.requested:
+            print("launch: stopped on request after saving; run it again (SLURM: requeue) to resume", flush=True)
+            return PREEMPTED_EXIT
+        print(f"launch: attempt {attempt + 1} failed: {result}", flush=True)
         if attempt < args.max_restarts:
             print(f"launch: restarting the group in {backoff:.0f} s, from the last checkpoint", flush=True)
             time.sleep(backoff)
             backoff = min(2 * backoff, 300.0)
-    sys.exit(f"launch: giving up after {args.max_restarts} restarts")
+    return f"launch: giving up after {args.max_restarts} restarts; the last attempt failed: {result}"
 
 
 if __name__ == "__main__":

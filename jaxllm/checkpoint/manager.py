@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 
 import jaxllm
 from jaxllm.checkpoint.layout import check_same_shape, from_canonical, to_canonical
+from jaxllm.checkpoint.local import LocalTier
 from jaxllm.config import ModelConfig, RunConfig
 from jaxllm.errors import JaxllmError
 
@@ -130,11 +131,34 @@ def _everyone(flag: bool) -> bool:
     return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
 
 
+class Cadence:
+    """Due every `every_steps` steps and/or `every_minutes` minutes since the last save (0 turns
+    either off); process 0's clock decides for every process, so all take the same decision."""
+
+    def __init__(self, every_steps: int, every_minutes: float, clock: Callable[[], float]):
+        self.every_steps, self.every_minutes, self.clock = every_steps, every_minutes, clock
+        self._last = clock()
+
+    def due(self, step: int) -> bool:
+        if self.every_steps > 0 and step % self.every_steps == 0:
+            return True
+        if self.every_minutes <= 0:
+            return False
+        by_time = self.clock() - self._last >= 60 * self.every_minutes
+        if jax.process_count() > 1:
+            by_time = bool(multihost_utils.broadcast_one_to_all(np.asarray(by_time)))
+        return by_time
+
+    def saved(self) -> None:
+        self._last = self.clock()
+
+
 class Checkpointer:
     """Saves every `checkpoint.every_steps` steps and/or `every_minutes` minutes, keeps the last
-    `keep` plus every `keep_every`-th step for good. `canonical` is the state as checkpoints hold
-    it (abstract arrays with the shardings to read into); `shardings` the run's own; `clock` gives
-    the seconds that `every_minutes` counts."""
+    `keep` plus every `keep_every`-th step for good; with `checkpoint.local_dir`, also saves the fast
+    tier (`jaxllm.checkpoint.local`) every `local_every_steps` and/or `local_every_minutes`.
+    `canonical` is the state as checkpoints hold it (abstract arrays with the shardings to read
+    into); `shardings` the run's own; `clock` gives the seconds that the minutes count."""
 
     def __init__(
         self,
@@ -156,30 +180,35 @@ class Checkpointer:
         )
         self.directory = pathlib.Path(workdir).absolute() / "checkpoints"
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "meta"))
-        self.clock = clock
-        self._last_save = clock()
+        self.every = Cadence(c.every_steps, c.every_minutes, clock)
+        self.local = LocalTier(c.local_dir, c.local_keep, mesh) if c.local_dir else None
+        self.local_every = Cadence(c.local_every_steps, c.local_every_minutes, clock)
 
     def due(self, step: int) -> bool:
-        c = self.cfg.checkpoint
-        if c.every_steps > 0 and step % c.every_steps == 0:
-            return True
-        if c.every_minutes <= 0:
-            return False
-        by_time = self.clock() - self._last_save >= 60 * c.every_minutes
-        if jax.process_count() > 1:  # every process must take the same decision: process 0's clock rules
-            by_time = bool(multihost_utils.broadcast_one_to_all(np.asarray(by_time)))
-        return by_time
+        return self.every.due(step)
 
-    def save(self, step: int, state: State, data_state: dict) -> None:
-        """Starts an asynchronous save of `state` as it is now; returns once the arrays are copied."""
-        canonical = to_canonical(state, self.schedule)
-        meta = {
+    def due_local(self, step: int) -> bool:
+        return self.local is not None and self.local_every.due(step)
+
+    def _meta(self, step: int, canonical: State) -> dict:
+        return {
             "step": step,
             "version": jaxllm.__version__,
             "mesh": dict(self.mesh.shape),
             "config": self.cfg.to_dict(),
             "checksums": checksums(canonical),
         }
+
+    def save_local(self, step: int, state: State, data_state: dict) -> None:
+        """Starts an asynchronous save of this process's shards of `state` to the fast tier."""
+        canonical = to_canonical(state, self.schedule)
+        self.local.save(step, canonical, data_state, self._meta(step, canonical))
+        self.local_every.saved()
+
+    def save(self, step: int, state: State, data_state: dict) -> None:
+        """Starts an asynchronous save of `state` as it is now; returns once the arrays are copied."""
+        canonical = to_canonical(state, self.schedule)
+        meta = self._meta(step, canonical)
         self.manager.save(
             step,
             args=ocp.args.Composite(
@@ -189,16 +218,52 @@ class Checkpointer:
             ),
             force=True,
         )
-        self._last_save = self.clock()
+        self.every.saved()
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
+        if self.local is not None:
+            self.local.wait()
+
+    def _own_layout(self, canonical: State) -> State:
+        to_own_layout = partial(from_canonical, schedule=self.schedule)
+        return jax.jit(to_own_layout, out_shardings=self.shardings, donate_argnums=0)(canonical)
+
+    def _restore_local(self) -> Restored | None:
+        """The fast tier's newest step that every process holds, if it is newer than any persistent
+        step and reads back whole everywhere; else None (the persistent tier is used)."""
+        step = self.local.newest_common_step()
+        if step is None or step <= max(self.manager.all_steps(), default=-1):
+            return None
+        state, error = None, None
+        try:
+            state, data, meta = self.local.restore(step, self.canonical)
+            check_checksums(meta, state)
+        except UNREADABLE as e:
+            error = e
+        if _everyone(error is not None):
+            for array in jax.tree.leaves(state) if error is None else []:
+                array.delete()
+            cause = "another process could not read it" if error is None else f"{type(error).__name__}: {error}"
+            print(f"checkpoint: fast-tier step {step} is unreadable ({cause.splitlines()[0][:200]}); using "
+                  "the persistent tier")  # fmt: skip
+            return None
+        print(f"checkpoint: restored step {step} from the fast tier in {self.local.directory.parent}")
+        return Restored(self._own_layout(state), step, data)
 
     def restore_latest(self, before: int | None = None) -> Restored | None:
         """The newest checkpoint (saved before step `before`, if given) that reads back whole, in
         this run's layout; None if there is none. Unreadable newer steps are moved aside once an
-        older one has been read; if none can be read, nothing is moved and the run stops."""
+        older one has been read; if none can be read, nothing is moved and the run stops. Fast-tier
+        steps after the one restored are dropped: the run computes them anew."""
         self.manager.wait_until_finished()
+        restored = self._restore_local() if before is None and self.local is not None else None
+        restored = restored or self._restore_persistent(before)
+        if self.local is not None:
+            self.local.drop_after(0 if restored is None else restored.step)
+        return restored
+
+    def _restore_persistent(self, before: int | None) -> Restored | None:
         steps = [s for s in sorted(self.manager.all_steps(), reverse=True) if before is None or s < before]
         unreadable = []
         for step in steps:
@@ -225,10 +290,8 @@ class Checkpointer:
                 continue
             for bad in unreadable:
                 self._move_aside(bad)
-            to_own_layout = partial(from_canonical, schedule=self.schedule)
-            state = jax.jit(to_own_layout, out_shardings=self.shardings, donate_argnums=0)(restored["state"])
             print(f"checkpoint: restored step {step} from {self.directory} (saved on mesh {meta['mesh']})")
-            return Restored(state, step, restored["data"])
+            return Restored(self._own_layout(restored["state"]), step, restored["data"])
         if unreadable:
             raise CheckpointError(
                 f"none of the checkpoints {unreadable} in {self.directory} can be read (see above); move that "
@@ -251,3 +314,5 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+        if self.local is not None:
+            self.local.close()

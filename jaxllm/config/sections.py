@@ -320,14 +320,23 @@ class CheckpointConfig(Section):
     keep_every: int = field(0, "and every M-th step for good (0: none)")
     async_save: bool = field(True, "saves overlap the next steps")
     max_bad_steps: int = field(3, "non-finite steps in a row before restoring the last good checkpoint")
+    local_dir: str = field("", "the fast tier: a directory on each host's own disk or RAM disk ('': none)")
+    local_every_steps: int = field(0, "steps between fast-tier saves (0: not by steps)")
+    local_every_minutes: float = field(0.0, "minutes between fast-tier saves (0: not by time)")
+    local_keep: int = field(2, "the last K fast-tier saves kept on each host")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("keep", "max_bad_steps"):
+        for name in ("keep", "max_bad_steps", "local_keep"):
             require(getattr(self, name) >= 1, f"checkpoint.{name}={getattr(self, name)} must be at least 1")
-        for name in ("every_steps", "every_minutes", "keep_every"):
+        for name in ("every_steps", "every_minutes", "keep_every", "local_every_steps", "local_every_minutes"):
             value = getattr(self, name)
             require(value >= 0, f"checkpoint.{name}={value} must be at least 0 (0 turns it off)")
+        require(
+            not self.local_dir or self.local_every_steps > 0 or self.local_every_minutes > 0,
+            f"checkpoint.local_dir={self.local_dir!r} is set but the fast tier is never saved; set "
+            "checkpoint.local_every_steps or checkpoint.local_every_minutes (or local_dir='' for no fast tier)",
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,10 +1,18 @@
-"""Multi-process start-up: one JAX process per host (or per GPU), found from the environment."""
+"""Multi-process start-up: one JAX process per host (or per GPU), found from the environment, and
+the checks that the processes of one job see the same files."""
 
 from __future__ import annotations
 
 import os
+import pathlib
+import secrets
+import socket
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jaxllm.config import ConfigError
 
 
 def initialize_from_environment() -> None:
@@ -12,6 +20,7 @@ def initialize_from_environment() -> None:
 
     Explicit: JAX_COORDINATOR_ADDRESS (host:port of process 0), JAX_NUM_PROCESSES, JAX_PROCESS_ID.
     Automatic: SLURM (srun) and Open MPI (mpirun) environments. A single process does nothing.
+    CPU devices talk through gloo, JAX's default for CPU collectives across processes.
     """
     if address := os.environ.get("JAX_COORDINATOR_ADDRESS"):
         jax.distributed.initialize(
@@ -21,3 +30,32 @@ def initialize_from_environment() -> None:
         )
     elif int(os.environ.get("SLURM_NTASKS", "1")) > 1 or int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
         jax.distributed.initialize()
+
+
+def check_shared(directory: str | pathlib.Path, name: str) -> None:
+    """Raises ConfigError on every process unless all of them see the file that process 0 writes in
+    `directory`: a job's processes share checkpoints, prepared data and heartbeats through it."""
+    if jax.process_count() == 1:
+        return
+    directory = pathlib.Path(directory).absolute()
+    token = np.frombuffer(secrets.token_bytes(16), np.uint8) if jax.process_index() == 0 else np.zeros(16, np.uint8)
+    token = np.asarray(multihost_utils.broadcast_one_to_all(token))
+    probe = directory / f".shared-{token.tobytes().hex()}"
+    if jax.process_index() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(token.tobytes())
+    multihost_utils.sync_global_devices(f"wrote {probe}")
+    try:
+        seen = probe.read_bytes() == token.tobytes()
+    except OSError:
+        seen = False
+    blind = np.flatnonzero(~np.asarray(multihost_utils.process_allgather(np.asarray(seen))))
+    multihost_utils.sync_global_devices(f"read {probe}")
+    if jax.process_index() == 0:
+        probe.unlink()
+    if blind.size:
+        raise ConfigError(
+            f"{name}={directory} is not shared: process{'es' if blind.size > 1 else ''} {', '.join(map(str, blind))} "
+            f"(this one is {jax.process_index()} on {socket.gethostname()}) cannot see what process 0 wrote there; "
+            f"put {name} on storage that every node of the job mounts at the same path (a parallel file system or NFS)"
+        )

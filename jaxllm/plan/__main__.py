@@ -118,7 +118,7 @@ def run_sweep(args, texts: dict[str, str], cfg, gpus: int, efficiency) -> None:
                  "steps": args.sweep_steps}  # fmt: skip
         fit.save(args.fit, fitted, error, [r.as_dict() for r in rows], about)
         print(
-            f"fitted on {about['backend']} against {accelerator.kind}'s peaks: matmul efficiency "
+            f"fitted on {about['backend']} against {accelerator.label}'s peaks: matmul efficiency "
             f"{fitted.matmul:.4g}, link efficiency {fitted.link:.4g} (rms error {error:.1%}); wrote {args.fit}"
         )
 

@@ -67,7 +67,7 @@ def memory_report(cfg: RunConfig, accelerator: Accelerator, headroom: float) -> 
     budget = accelerator.memory * (1 - headroom)
     verdict = "fits" if planned["total"] <= budget else "does NOT fit"
     lines.append(
-        f"  {verdict} one {accelerator.kind} ({accelerator.memory / GiB:.1f} GiB less {headroom:.0%} "
+        f"  {verdict} one {accelerator.label} ({accelerator.memory / GiB:.1f} GiB less {headroom:.0%} "
         f"headroom = {budget / GiB:.1f} GiB): {planned['total'] / accelerator.memory:.0%} of it"
     )
     return lines
@@ -105,14 +105,14 @@ def serving_report(model: ModelConfig, batch: int, context: int, tensor: int, ac
     )
     return [
         f"KV cache for {batch} sequence(s) × {context} tokens, per device over tensor {tensor}: {cells}",
-        f"decode at most, tokens/s on one {accelerator.kind} ({accelerator.hbm / 1e12:.3g} TB/s, bf16 weights and "
+        f"decode at most, tokens/s on one {accelerator.label} ({accelerator.hbm / 1e12:.3g} TB/s, bf16 weights and "
         f"cache read once a step, {context} tokens): {limits}",
     ]
 
 
 def comm_report(cfg: RunConfig, accelerator: Accelerator, efficiency: Efficiency = DEFAULT_EFFICIENCY) -> list[str]:
     sizes = mesh_sizes(cfg)
-    lines = [f"communication per device per step (array × runs; bytes sent by a ring; time on {accelerator.kind}):"]
+    lines = [f"communication per device per step (array × runs; bytes sent by a ring; time on {accelerator.label}):"]
     sent = {}  # bytes sent per mesh-axis group, and over which link
     for x in communication(cfg):
         lines.append(
@@ -147,7 +147,7 @@ def search_report(
     cfg, fitting: list[Candidate], valid: int, gpus: int, accelerator: Accelerator, top: int
 ) -> list[str]:
     lines = [
-        f"layouts for {gpus} × {accelerator.kind}: {valid} pass the config's checks, {len(fitting)} fit; "
+        f"layouts for {gpus} × {accelerator.label}: {valid} pass the config's checks, {len(fitting)} fit; "
         f"fastest first (estimated):"
     ]
     own = Layout.of(cfg)

@@ -184,7 +184,7 @@ def table(rows: list[Row], accelerator: Accelerator, backend: str | None = None)
     backend = backend or next((r.measured["backend"] for r in rows if r.measured), "?")
     width = max([len(describe(r.layout)) for r in rows] + [6]) + 2
     lines = [
-        f"sweep: planned on {accelerator.kind} | measured on {backend}",
+        f"sweep: planned on {accelerator.label} | measured on {backend}",
         (f"  {'':<12}{'':<{width}}" + "".join(f"{c[0]:^23}" for c in COLUMNS)).rstrip(),
         f"  {'#':<3}{'source':<9}{'layout':<{width}}" + f"{'planned':>10} | {'measured':<10}" * len(COLUMNS),
     ]

@@ -24,10 +24,13 @@ from jaxllm.data.tokenizer import prompt_ids, save_tokenizer
 from jaxllm.model.decoder import Model
 from jaxllm.model.generate import generate
 from jaxllm.model.sampling import Sampling
+from jaxllm.parallel.distributed import check_shared
 from jaxllm.parallel.mesh import describe, make_mesh
+from jaxllm.parallel.rules import RULES, activation_rules
 from jaxllm.profile import OncePerRun, StepProfiler
 from jaxllm.profile.capture import stages_of
 from jaxllm.train.faults import NonFiniteSteps, Preemption
+from jaxllm.train.goodput import Ledger, account, format_account
 from jaxllm.train.metrics import MetricsWriter, memory_fractions, memory_in_use, peak_flops
 from jaxllm.train.run import Run, State, build_run
 from jaxllm.train.step import compile_eval_step, compile_train_step, init_state
@@ -44,25 +47,34 @@ def _data_shard(sharding, batch_size: int) -> tuple[int, int, slice]:
     return start // (stop - start), batch_size // (stop - start), slice(start, stop)
 
 
-def train(cfg: RunConfig, workdir: str | pathlib.Path, *, progress: bool = True, hooks: Hooks | None = None) -> dict:
+def train(
+    cfg: RunConfig, workdir: str | pathlib.Path, *, progress: bool = True, hooks: Hooks | None = None,
+    ledger: Ledger | None = None,
+) -> dict:  # fmt: skip
     """Trains `cfg` in `workdir`, resuming from its latest valid checkpoint; returns the last
-    logged metrics. Writes `workdir/metrics.jsonl`, TensorBoard events and checkpoints."""
+    logged metrics. Writes `workdir/metrics.jsonl`, TensorBoard events, checkpoints and, on process
+    0, the goodput ledger (`ledger`, if the caller opened it earlier)."""
+    ledger = ledger or Ledger(workdir)
+    ledger.active = jax.process_index() == 0
     validate(cfg, jax.device_count(), jax.default_backend())
     run = build_run(cfg, make_mesh(cfg.parallel))
-    _announce(run, progress)
-    data = prepare_data(cfg.data, cfg.model)
-    if jax.process_index() == 0:  # serving and export read it from here
-        save_tokenizer(data.tokenizer, pathlib.Path(workdir) / "tokenizer")
+    if jax.process_index() == 0:
+        _announce(run, progress)
+    check_shared(workdir, "--workdir")
+    ledger.mark("startup")
+    data = load_data(cfg, workdir)
+    ledger.mark("data")
     peak = peak_flops(jax.devices())  # outside the mesh, where a matmul runs on one device
     with jax.set_mesh(run.mesh):
-        loop = Loop(run, workdir, data, peak, progress, hooks or Hooks())
+        loop = Loop(run, workdir, data, peak, progress, hooks or Hooks(), ledger)
         try:
             for step in loop.bar:
                 loop.profiler.before(step)
                 loop.state, metrics = loop.step_fn(loop.state, loop.next_batch(step))
                 profiled = loop.profiler.after(step, (loop.state, metrics))
-                heartbeat.beat(step)
+                heartbeat.beat(step, jax.process_index())
                 loop.handle_non_finite(loop.non_finite.push(step, metrics["skipped"]))
+                loop.account(step - 1)  # reading its flag waited for the step before
                 loop.checkpoint(step)
                 loop.hooks.stepped(step, loop)
                 stopping = loop.preemption.reached(step)
@@ -71,12 +83,28 @@ def train(cfg: RunConfig, workdir: str | pathlib.Path, *, progress: bool = True,
                     loop.save_and_stop(step)
                     return loop.last
             loop.handle_non_finite(loop.non_finite.flush())
+            loop.account(loop.run.cfg.train.steps, settle=True)
         finally:  # on success, preemption or error alike: flush metrics, finish pending saves
             loop.close()
         sample = loop.sample()
+    ledger.mark("evaluate")
+    heartbeat.stopped(heartbeat.FINISHED, cfg.train.steps, jax.process_index())
     if jax.process_index() == 0:
         print("sample:", json.dumps(sample))
+        goodput = account(workdir)
+        (pathlib.Path(workdir) / "goodput.json").write_text(json.dumps(goodput, indent=2))
+        print(format_account(goodput), flush=True)
     return loop.last
+
+
+def load_data(cfg: RunConfig, workdir: str | pathlib.Path):
+    """The run's tokenizer and prepared data (process 0 prepares what is missing while the others
+    wait), with the tokenizer copied into the workdir, where serving and export read it."""
+    data = prepare_data(cfg.data, cfg.model)
+    check_shared(cfg.data.dir, "data.dir")
+    if jax.process_index() == 0:
+        save_tokenizer(data.tokenizer, pathlib.Path(workdir) / "tokenizer")
+    return data
 
 
 def _announce(run: Run, progress: bool) -> None:
@@ -133,9 +161,9 @@ class Loop:
     """A run's moving parts: data, state, compiled steps, checkpoints, metrics, preemption."""
 
     def __init__(self, run: Run, workdir: str | pathlib.Path, data, peak: tuple[float, str], progress: bool,
-                 hooks: Hooks):  # fmt: skip
+                 hooks: Hooks, ledger: Ledger):  # fmt: skip
         cfg, t = run.cfg, run.cfg.train
-        self.run, self.data, self.hooks = run, data, hooks
+        self.run, self.data, self.hooks, self.ledger = run, data, hooks, ledger
         eos = data.tokenizer.eos_id
         shard, shards, self.rows = _data_shard(run.batch_sharding, t.batch_size)
         self.batches = train_batches(
@@ -145,10 +173,13 @@ class Loop:
         self.val = [self._global({k: v[self.rows] for k, v in b.items()}) for b in val]
         self.peak, peak_source = peak
         self.flops_per_step = plan.flops_per_token(cfg.model, t.seq_len) * t.batch_size * t.seq_len
-        print(f"peak {self.peak / 1e12:.3f} TFLOP/s ({peak_source}); model {self.flops_per_step:.3e} FLOPs/step")
+        if jax.process_index() == 0:
+            print(f"peak {self.peak / 1e12:.3f} TFLOP/s ({peak_source}); model {self.flops_per_step:.3e} FLOPs/step")
 
         self.checkpoints = run.checkpointer(workdir)
+        ledger.mark("startup")
         restored = self.checkpoints.restore_latest()
+        ledger.mark("restore", step=0 if restored is None else restored.step)
         skipped = 0  # non-finite steps so far, carried across restarts with the data position
         if restored is None:
             self.state, self.start = init_state(run), 0
@@ -183,6 +214,7 @@ class Loop:
             on_summary=lambda s: print(s.format(), flush=True) if jax.process_index() == 0 else None,
         )
         self.clock, self.clock_step, self.saved_step = time.perf_counter(), self.start, self.start
+        self.accounted = self.start  # the last step whose time the ledger holds
 
     def _global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Each process passes only its own rows; JAX assembles the global array."""
@@ -205,15 +237,39 @@ class Loop:
         self.checkpoints.wait()
         if (back := roll_back(self.checkpoints, self.state, before=streak_start)) is not None:
             self.state, good_step = back
+            self.ledger.mark("restore", step=good_step)
             last_bad = streak_start + self.non_finite.in_a_row - 1
             print(f"step {last_bad}: back to the params of step {good_step}; the batches since are skipped")
             self.non_finite.restart()
 
+    def account(self, step: int, settle: bool = False) -> None:
+        """The ledger's span since its last mark was step `step` (the run's first step: its
+        compilation too), once `step` is done; `settle` waits for it first."""
+        if step <= self.accounted:
+            return
+        if settle:
+            jax.block_until_ready(self.state)
+        if step == self.start + 1:
+            self.ledger.mark("startup")
+        else:
+            self.ledger.mark("step", step=step)
+        self.accounted = step
+
     def checkpoint(self, step: int) -> None:
         if self.checkpoints.due(step) or step == self.run.cfg.train.steps:
-            self.checkpoints.save(step, self.state, self.position())
-            self.saved_step = step
+            self.save(step)
             self.hooks.saved(step, self)
+        elif self.checkpoints.due_local(step):
+            self.save(step, local=True)
+
+    def save(self, step: int, local: bool = False) -> None:
+        """Starts saving step `step` (to the fast tier, if `local`); the ledger counts the part that
+        blocks training."""
+        self.account(step, settle=True)
+        (self.checkpoints.save_local if local else self.checkpoints.save)(step, self.state, self.position())
+        self.ledger.mark("save")
+        if not local:
+            self.saved_step = step
 
     def evaluate(self) -> dict[str, float]:
         sums = [self.eval_fn(self.state["params"], b) for b in self.val]
@@ -243,7 +299,9 @@ class Loop:
                 metrics |= self.profiler.summary.metrics()
             self.warn(metrics)
             if evaluating:
+                self.account(step, settle=True)
                 self.latest_val = self.evaluate()
+                self.ledger.mark("evaluate")
                 metrics |= self.latest_val
             self.writer.write(step, metrics)
             self.last = {"step": step, **metrics}
@@ -269,8 +327,12 @@ class Loop:
 
     def save_and_stop(self, step: int) -> None:
         if self.saved_step != step:
-            self.checkpoints.save(step, self.state, self.position())
-        print(f"preempted: checkpoint saved at step {step}; run the same command to resume")
+            self.save(step)
+        self.checkpoints.wait()
+        self.ledger.mark("save")
+        heartbeat.stopped(heartbeat.PREEMPTED, step, jax.process_index())
+        if jax.process_index() == 0:
+            print(f"preempted: checkpoint saved at step {step}; run the same command to resume")
 
     def sample(self) -> str:
         """The end-of-training sample, from the plain stack over the canonical group order."""
@@ -280,7 +342,8 @@ class Loop:
         length = min(len(prompt) + t.sample_tokens, model.max_seq_len)
         params = to_canonical(self.state["params"], self.run.schedule)
         sampling = Sampling.one(t.sample_temperature, t.sample_top_k, t.sample_top_p, seed=t.seed)
-        tokens = generate(params, Model(model), prompt, length, sampling, tokenizer.vocab_size)
+        with activation_rules({**RULES, "batch": None}):  # one sequence: not split over data-parallel devices
+            tokens = generate(params, Model(model), prompt, length, sampling, tokenizer.vocab_size)
         return tokenizer.decode(tokens[len(tokenizer.prompt_prefix) :])
 
     def close(self) -> None:
@@ -289,3 +352,4 @@ class Loop:
         self.preemption.close()
         self.writer.close()
         self.checkpoints.close()
+        self.ledger.mark("save")

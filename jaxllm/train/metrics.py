@@ -79,7 +79,7 @@ def peak_flops(devices: list) -> tuple[float, str]:
     the host's cores, so on CPU the host's measured matmul peak is the whole budget."""
     kind = devices[0].device_kind
     if (accelerator := accelerator_of(kind)) is not None:
-        return accelerator.bf16_flops * len(devices), f"{accelerator.kind} bf16 table × {len(devices)}"
+        return accelerator.bf16_flops * len(devices), f"{accelerator.label} bf16 table × {len(devices)}"
     if devices[0].platform == "cpu":
         return measure_matmul_peak(), "CPU fp32 matmul peak measured at start-up"
     return float("nan"), f"unknown for {kind!r}, so MFU is NaN; add it to ACCELERATORS in jaxllm/plan/hardware.py"

@@ -1,8 +1,10 @@
 """Multi-process training under the launcher (gloo collectives between local processes), worker
 failures and hangs, and export."""
 
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +13,7 @@ import chex
 import numpy as np
 import psutil
 import pytest
-from support.runs import checkpoint_params, metrics, run, start_until_first_step, train_command
+from support.runs import ROOT, checkpoint_params, metrics, run, start_until_first_step, train_command
 
 from jaxllm.checkpoint import load_params
 
@@ -77,6 +79,28 @@ def test_hung_worker_is_detected_within_the_timeout(tmp_path):
     assert "made no progress for" in failure and failure.endswith("hung")
     assert int(failure.split("no progress for ")[1].split(" s")[0]) < 15 + 5
     assert "launch: all 2 processes finished" in out
+
+
+def test_fast_tier_resumes_from_the_newest_step_every_process_holds(runs, tmp_path):
+    """Fast-tier saves every 2 steps and no persistent ones: both processes are killed after step 9
+    (holding fast-tier steps 6 and 8), process 1 then loses its step 8, and the run resumes from step
+    6, the newest that both hold, bit-identical to the uninterrupted run."""
+    workdir, local = tmp_path / "fast", tmp_path / "local"
+    command = train_command(workdir, "--config.parallel.data=4", "--config.parallel.fsdp=2",
+                            "--config.checkpoint.every_steps=100", f"--config.checkpoint.local_dir={local}",
+                            "--config.checkpoint.local_every_steps=2")  # fmt: skip
+    faulty = [sys.executable, str(ROOT / "tests" / "support" / "faults.py"), json.dumps({"kill_at_step": 9}),
+              *command[3:]]  # fmt: skip
+    launch = [sys.executable, "-m", "jaxllm.launch", "--nproc", "2", "--max-restarts", "0", "--heartbeat-timeout", "60",
+              "--"]  # fmt: skip
+    killed = run([*launch, *faulty], devices=4, check=False)
+    assert killed.returncode == 1 and "exited with code -9" in killed.stdout, killed.stdout[-3000:]
+    held = {p.name: sorted(int(s.name) for s in p.iterdir() if s.name.isdigit()) for p in local.iterdir()}
+    assert held == {"process-0": [6, 8], "process-1": [6, 8]} and not (workdir / "checkpoints" / "8").exists()
+    shutil.rmtree(local / "process-1" / "8")
+    resumed = run([*launch, *command], devices=4)
+    assert f"checkpoint: restored step 6 from the fast tier in {local}" in resumed.stdout, resumed.stdout[-3000:]
+    assert _losses(workdir) == _losses(runs[1])
 
 
 def test_export_writes_params_for_serving(runs, tmp_path):

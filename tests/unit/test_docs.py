@@ -86,3 +86,17 @@ def test_docs_planner_commands_run_as_written():
     quoted = re.search(r"^weights, GB: .*$", (ROOT / "docs" / "precision.md").read_text(), re.M).group(0)
     assert quoted in done.stdout.splitlines()
     assert "layouts for 64 × A100: 960 pass the config's checks, 64 fit" in done.stdout  # as the page says
+
+
+def test_the_cluster_page_sizes_a_120b_checkpoint_as_the_planner_counts_it():
+    """fp32 params and Adam's two fp32 moments: 12 bytes a parameter, per save, split over 8 hosts."""
+    from jaxllm import plan
+    from jaxllm.config import load_config
+
+    cfg = load_config(str(ROOT / "configs" / "120b.py"))
+    params = plan.param_counts(cfg.model)["total"]
+    page = (ROOT / "docs" / "cluster.md").read_text()
+    assert f"**{12 * params / 1e12:.2f} TB a save** for the 120B config ({params / 1e9:.1f} billion parameters)" in page
+    assert f"{12 * params / 8 / 1e9:.0f} GB a host on 8 nodes" in page
+    kept = cfg.checkpoint.keep
+    assert f"`checkpoint.keep` ({kept}) of them stay, {kept * 12 * params / 1e12:.1f} TB" in page

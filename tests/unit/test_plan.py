@@ -22,7 +22,7 @@ from jaxllm.model.cache import KVCache
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.plan.comm import by_kind, communication
 from jaxllm.plan.estimate import estimate, link_bandwidth
-from jaxllm.plan.hardware import ACCELERATORS
+from jaxllm.plan.hardware import ACCELERATORS, accelerator_of
 from jaxllm.plan.hlo import collective_bytes
 from jaxllm.plan.params import megatron_extras, megatron_formula
 from jaxllm.plan.plot import BUBBLE, schedule_grid
@@ -158,6 +158,31 @@ def test_search_lists_the_120b_layout_among_those_that_fit_64_a100s(tmp_path):
         validate(cfg.overridden({k: _value(v) for k, v in fields.items()}), 64)
     assert "total, Megatron-LM" in out and "fits one A100" in out
     assert picture.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("kind, row", [
+    ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+    ("NVIDIA H100 80GB HBM3", "h100-80gb"), ("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA H200", "h200"), ("cpu", None),
+])  # fmt: skip
+def test_device_kinds_read_as_their_own_rows(kind, row):
+    """JAX's `device_kind` of each part (as nvidia-smi names them) picks its own row, so MFU and
+    plans use a 40 GB A100's memory and a PCIe H100's clocks and links, not the SXM 80 GB parts'."""
+    assert accelerator_of(kind) is (ACCELERATORS[row] if row else None)
+
+
+def test_search_on_a100_40gb_fits_only_what_40_gb_holds():
+    """`--search --device a100-40gb --gpus 64`: every layout it offers fits 40 GB less the headroom,
+    and it offers fewer than on the 80 GB part (all of which fit 80 GB)."""
+    cfg = load_config("configs/120b.py")
+    small, _ = search(cfg, 64, ACCELERATORS["a100-40gb"])
+    large, _ = search(cfg, 64, ACCELERATORS["a100-80gb"])
+    assert small and all(c.memory <= 0.9 * 40 * 2**30 for c in small)
+    assert len(small) < len(large) and any(c.memory > 0.9 * 40 * 2**30 for c in large)
+    cmd = [sys.executable, "-m", "jaxllm.plan", "--config", "configs/120b.py", "--search", "--gpus", "64",
+           "--device", "a100-40gb", "--top", "1"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{len(small)} fit; fastest first" in proc.stdout, proc.stdout[-2000:]
 
 
 def _value(text: str):
