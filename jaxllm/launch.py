@@ -100,17 +100,18 @@ class _Shutdown:
 
 def run_group(
     procs: list[subprocess.Popen], nproc: int, beats: pathlib.Path, heartbeat_timeout: float, startup_timeout: float,
-    forward: bool,
+    slurm: bool,
 ) -> str:  # fmt: skip
-    """Watches one attempt; returns FINISHED, PREEMPTED, or why it failed. With `forward`, a shutdown
-    request is passed on as SIGTERM; without, the workers were signalled as the launcher was (SLURM
-    signals every task of a job step itself, and srun would answer a SIGTERM by killing them)."""
+    """Watches one attempt (`procs`: the local processes, or the one srun of a SLURM step); returns
+    FINISHED, PREEMPTED, or why it failed. Locally, a shutdown request is passed on as SIGTERM; under
+    SLURM it is not: SLURM signals every task of a job step itself, and srun would answer a SIGTERM
+    by killing them."""
     started, forwarded = time.time(), False
     try:
         while True:
             codes = [p.poll() for p in procs]
             if _Shutdown.requested:
-                if forward and not forwarded:
+                if not slurm and not forwarded:
                     for p in procs:
                         if p.poll() is None:
                             os.killpg(p.pid, signal.SIGTERM)
@@ -122,9 +123,9 @@ def run_group(
                 return PREEMPTED if PREEMPTED in said else FINISHED
             elif failed := [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]:
                 i, code = failed[0]
-                return f"{'srun' if not forward else f'process {i}'} exited with code {code}"
+                return f"{'srun' if slurm else f'process {i}'} exited with code {code}"
             for i in range(nproc):
-                if heartbeat.outcome(beats, i) is not None or (forward and codes[i] is not None):
+                if heartbeat.outcome(beats, i) is not None or (not slurm and codes[i] is not None):
                     continue  # stopping or stopped: no more beats to come
                 silent = heartbeat.silent_for(beats, i)
                 since, limit = (silent, heartbeat_timeout) if silent is not None else (time.time() - started,
@@ -134,7 +135,7 @@ def run_group(
                     return f"process {i} made no progress for {since:.0f} s {what}: hung"
             time.sleep(0.5)
     finally:
-        _stop(procs, slurm=not forward)
+        _stop(procs, slurm)
 
 
 def main() -> None:
@@ -174,7 +175,7 @@ def supervise(command: list[str], nproc: int, beats: pathlib.Path, args: argpars
         for old in beats.iterdir():  # an earlier attempt's beats and outcomes say nothing of this one
             old.unlink()
         procs = start_slurm(command, beats) if args.slurm else start_local(command, nproc, beats)
-        result = run_group(procs, nproc, beats, args.heartbeat_timeout, args.startup_timeout, forward=not args.slurm)
+        result = run_group(procs, nproc, beats, args.heartbeat_timeout, args.startup_timeout, args.slurm)
         if result == FINISHED:
             print(f"launch: all {nproc} processes finished", flush=True)
             return 0

@@ -28,8 +28,32 @@ def initialize_from_environment() -> None:
             num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
             process_id=int(os.environ["JAX_PROCESS_ID"]),
         )
-    elif int(os.environ.get("SLURM_NTASKS", "1")) > 1 or int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+    elif int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        jax.distributed.initialize(local_device_ids=slurm_local_devices(os.environ))
+    elif int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
         jax.distributed.initialize()
+
+
+def tasks_per_node(text: str) -> list[int]:
+    """SLURM's compressed count of tasks on each node: '2(x3),1' → [2, 2, 2, 1]."""
+    counts = []
+    for part in text.split(","):
+        count, _, repeat = part.partition("(x")
+        counts += [int(count)] * int(repeat.rstrip(")") or 1)
+    return counts
+
+
+def slurm_local_devices(environ) -> list[int] | None:
+    """The GPUs a SLURM task uses: every GPU of its node (those CUDA_VISIBLE_DEVICES lists, else
+    each /dev/nvidiaN) when it is its node's only task. Otherwise None, and JAX gives each task the
+    GPU of its SLURM_LOCALID; JAX would do that to a lone task too, leaving it one GPU of eight."""
+    per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+    if not per_node or tasks_per_node(per_node)[int(environ.get("SLURM_NODEID", "0"))] != 1:
+        return None
+    if visible := environ.get("CUDA_VISIBLE_DEVICES"):
+        return list(range(len(visible.split(","))))
+    gpus = [p for p in pathlib.Path("/dev").glob("nvidia*") if p.name.removeprefix("nvidia").isdigit()]
+    return list(range(len(gpus))) or None
 
 
 def check_shared(directory: str | pathlib.Path, name: str) -> None:

@@ -13,7 +13,7 @@ from jaxllm import cli
 from jaxllm.config import RunConfig, load_config, validate
 from jaxllm.errors import exit_on_error
 from jaxllm.plan import fit, sweep
-from jaxllm.plan.hardware import ACCELERATORS, DEFAULT_EFFICIENCY
+from jaxllm.plan.hardware import ACCELERATORS, DEFAULT_EFFICIENCY, GiB
 from jaxllm.plan.report import (
     activation_report,
     comm_report,
@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> None:
         gpus = args.gpus or math.prod(max(s, 1) for s in sizes.values())
         fitting, valid = search(cfg, gpus, accelerator, args.headroom, efficiency)
         sections.append(search_report(cfg, fitting, valid, gpus, accelerator, args.top))
+        if not fitting:
+            sections.append(fewest_gpus_report(cfg, gpus, accelerator, args.headroom, efficiency))
     print("\n\n".join("\n".join(lines) for lines in sections), flush=True)
     if args.plot:
         from jaxllm.plan.plot import plot
@@ -100,6 +102,19 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n$ {' '.join(command[1:])}", flush=True)
         if subprocess.run(command).returncode:
             sys.exit("error: the dry run failed; see above")
+
+
+def fewest_gpus_report(cfg, gpus: int, accelerator, headroom: float, efficiency, most: int = 4096) -> list[str]:
+    """When nothing fits `gpus`: the smallest power-of-two multiple of it where something does."""
+    budget = f"{accelerator.memory * (1 - headroom) / GiB:.1f} GiB"
+    more = gpus * 2
+    while more <= most:
+        if fitting := search(cfg, more, accelerator, headroom, efficiency)[0]:
+            best = fitting[0]
+            return [f"none fits {budget} a device on {gpus} GPUs; on {more}, {len(fitting)} do, the fastest at "
+                    f"{best.memory / GiB:.1f} GiB: {best.layout.overrides()}"]  # fmt: skip
+        more *= 2
+    return [f"none fits {budget} a device on {gpus} to {most} GPUs: a smaller model, remat, or a larger device"]
 
 
 def run_sweep(args, texts: dict[str, str], cfg, gpus: int, efficiency) -> None:

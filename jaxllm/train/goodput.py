@@ -113,7 +113,7 @@ def account(workdir: str | pathlib.Path) -> dict:
 
 def format_account(acct: dict) -> str:
     wall = acct["wall"]
-    rows = [f"goodput: {acct['goodput']:.1%} of {wall:.1f} s wall, over {acct['attempts']} processes' attempts"]
+    rows = [f"goodput: {acct['goodput']:.1%} of {wall:.1f} s wall, from {acct['attempts']} process starts"]
     for name, seconds in acct["seconds"].items():
         extra = f"  ({acct['lost_steps']} steps)" if name == "lost" else ""
         rows.append(f"  {name:<11}{seconds:>10.1f} s {seconds / wall if wall else 0:>6.1%}  {CATEGORIES[name]}{extra}")

@@ -100,8 +100,8 @@ def train(
 def load_data(cfg: RunConfig, workdir: str | pathlib.Path):
     """The run's tokenizer and prepared data (process 0 prepares what is missing while the others
     wait), with the tokenizer copied into the workdir, where serving and export read it."""
+    check_shared(cfg.data.dir, "data.dir")  # before the others read what process 0 prepares there
     data = prepare_data(cfg.data, cfg.model)
-    check_shared(cfg.data.dir, "data.dir")
     if jax.process_index() == 0:
         save_tokenizer(data.tokenizer, pathlib.Path(workdir) / "tokenizer")
     return data

@@ -170,19 +170,25 @@ def test_device_kinds_read_as_their_own_rows(kind, row):
     assert accelerator_of(kind) is (ACCELERATORS[row] if row else None)
 
 
-def test_search_on_a100_40gb_fits_only_what_40_gb_holds():
-    """`--search --device a100-40gb --gpus 64`: every layout it offers fits 40 GB less the headroom,
-    and it offers fewer than on the 80 GB part (all of which fit 80 GB)."""
+def test_search_on_a100_40gb_says_how_many_gpus_the_120b_needs():
+    """`--search --device a100-40gb --gpus 64`: the 120B config's fp32 params, gradients and Adam
+    moments alone (16 bytes a parameter, 29.8 GB a GPU over 64) leave no layout within 40 GB less
+    the headroom, and the planner names the GPU count where layouts fit, each within 36 GiB."""
     cfg = load_config("configs/120b.py")
-    small, _ = search(cfg, 64, ACCELERATORS["a100-40gb"])
-    large, _ = search(cfg, 64, ACCELERATORS["a100-80gb"])
-    assert small and all(c.memory <= 0.9 * 40 * 2**30 for c in small)
-    assert len(small) < len(large) and any(c.memory > 0.9 * 40 * 2**30 for c in large)
+    assert not search(cfg, 64, ACCELERATORS["a100-40gb"])[0] and search(cfg, 64, ACCELERATORS["a100-80gb"])[0]
+    fitting = search(cfg, 128, ACCELERATORS["a100-40gb"])[0]
+    assert fitting and all(c.memory <= 0.9 * 40 * 2**30 for c in fitting)
     cmd = [sys.executable, "-m", "jaxllm.plan", "--config", "configs/120b.py", "--search", "--gpus", "64",
            "--device", "a100-40gb", "--top", "1"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"{len(small)} fit; fastest first" in proc.stdout, proc.stdout[-2000:]
+    assert "layouts for 64 × A100 40GB: 960 pass the config's checks, 0 fit" in proc.stdout, proc.stdout[-2000:]
+    assert (f"none fits 36.0 GiB a device on 64 GPUs; on 128, {len(fitting)} do, the fastest at "
+            f"{fitting[0].memory / 2**30:.1f} GiB: {fitting[0].layout.overrides()}") in proc.stdout  # fmt: skip
+    page = (ROOT / "docs" / "cluster.md").read_text()
+    params = plan.param_counts(cfg.model)["total"]
+    assert f"16 bytes a parameter, {16 * params / 64 / 1e9:.1f} GB a GPU" in page
+    assert f"{len(fitting)} layouts fit on 128" in page
 
 
 def _value(text: str):
