@@ -2,12 +2,15 @@
 
     python -m jaxllm.convert from-hf --hf DIR --out EXPORT
     python -m jaxllm.convert to-hf --checkpoint EXPORT_OR_RUN --out DIR [--dtype bfloat16] [--expand-shared-qkv]
+    python -m jaxllm.convert to-hf --checkpoint LORA_RUN --out DIR --peft
 
 `from-hf` writes an export (`serve --checkpoint EXPORT` serves it; it keeps the weights' dtype and
 the tokenizer's files). `to-hf` writes config.json, safetensors (sharded past --max-shard-size,
 with the index), generation_config.json and the tokenizer's files, as transformers, vLLM and TGI
 load them. A model Llama cannot express is refused by the field that differs; a shared QKV
-(`qkv_share_every` > 1) is written into every layer of its group with --expand-shared-qkv.
+(`qkv_share_every` > 1) is written into every layer of its group with --expand-shared-qkv. A LoRA
+run converts merged (each adapter folded into its weight), or with --peft as a PEFT adapter
+directory for the Llama it started from.
 Both directions go a tensor at a time (see `jaxllm/checkpoint/hf/`); neither needs torch.
 """
 
@@ -22,10 +25,12 @@ from jaxllm.checkpoint import load_params, stored_config, write_export
 from jaxllm.checkpoint.hf.config import ConversionError, check_llama, is_hf_dir, require_hf_dir
 from jaxllm.checkpoint.hf.directory import expanded_qkv_parameters, write_hf
 from jaxllm.checkpoint.hf.files import SAFETENSORS_DTYPES
-from jaxllm.config import ParallelConfig
+from jaxllm.checkpoint.hf.peft import write_peft
+from jaxllm.config import LoraConfig, ParallelConfig
 from jaxllm.data.tokenizer import HFTokenizer, has_saved_tokenizer, load_saved_tokenizer, save_tokenizer
 from jaxllm.errors import exit_on_error
 from jaxllm.model.decoder import Model
+from jaxllm.model.lora import adapter_path, fold, has_adapter
 from jaxllm.model.params import at_path, count
 from jaxllm.parallel.mesh import make_mesh
 
@@ -57,15 +62,15 @@ def to_hf(
     expand_shared_qkv: bool = False,
     max_shard_bytes: int = 5 * 10**9,
     tokenizer: str | None = None,
+    peft: bool = False,
 ) -> None:
     checkpoint, out = pathlib.Path(checkpoint), _empty_out(out)
     if is_hf_dir(checkpoint):
         raise ConversionError(f"--checkpoint {checkpoint} is already a Hugging Face directory; to change its dtype or "
                               "shards, convert it from-hf first, then to-hf")  # fmt: skip
-    model = stored_config(checkpoint).model
+    stored = stored_config(checkpoint)
+    model, specs = stored.model, Model(stored.model).specs
     check_llama(model, expand_shared_qkv)  # before reading any weights
-    saved = checkpoint / "tokenizer"
-    saved_tokenizer = load_saved_tokenizer(saved, tokenizer) if tokenizer or has_saved_tokenizer(saved) else None
     mesh, read = _local_fsdp_mesh(), {}
 
     def parameter(path: tuple[str, ...]):  # one at a time: host memory holds one, not the model
@@ -73,8 +78,24 @@ def to_hf(
         _, params, read["step"] = load_params(checkpoint, mesh, step=read.get("step"), only=path)
         return at_path(params, path)
 
-    dtype = dtype or model.param_dtype
-    files = write_hf(out, model, parameter, saved_tokenizer, dtype, max_shard_bytes)
+    if peft:
+        if not model.lora.rank:
+            raise ConversionError(f"--peft: {checkpoint} has no LoRA adapters (model.lora.rank=0); convert it "
+                                  "without --peft")  # fmt: skip
+        write_peft(out, model, parameter, stored.init.hf, dtype or "float32")
+        print(f"to-hf: the rank-{model.lora.rank} adapters of step {read['step']} of {checkpoint} → {out.absolute()} "
+              f"(PEFT, for the base model {stored.init.hf or 'it started from'})")  # fmt: skip
+        return
+
+    def merged(path: tuple[str, ...]):  # a weight with its adapter folded in
+        if not has_adapter(specs, path):
+            return parameter(path)
+        return fold(parameter(path), parameter(adapter_path(path)), stored.model.lora.scale)
+
+    saved = checkpoint / "tokenizer"
+    saved_tokenizer = load_saved_tokenizer(saved, tokenizer) if tokenizer or has_saved_tokenizer(saved) else None
+    model, dtype = model.replace(lora=LoraConfig()), dtype or model.param_dtype
+    files = write_hf(out, model, merged, saved_tokenizer, dtype, max_shard_bytes)
     print(f"to-hf: step {read['step']} of {checkpoint} → {out.absolute()}: {len(files)} safetensors file(s) in {dtype}")
     if model.qkv_share_every > 1:
         print(f"to-hf: --expand-shared-qkv wrote each of the {model.groups} shared q/k/v into the "
@@ -120,11 +141,13 @@ def main() -> None:
                     help="write each group's shared q/k/v into every layer of the group")  # fmt: skip
     up.add_argument("--max-shard-size", type=byte_size, default="5GB", help="per safetensors file (default 5GB)")
     up.add_argument("--tokenizer", default=None, help="'gpt2' or a tokenizer.json, for runs that saved none")
+    up.add_argument("--peft", action="store_true", help="a LoRA run's adapters alone, as a PEFT adapter directory")
     args = parser.parse_args()
     if args.command == "from-hf":
         from_hf(args.hf, args.out)
     else:
-        to_hf(args.checkpoint, args.out, args.dtype, args.expand_shared_qkv, args.max_shard_size, args.tokenizer)
+        to_hf(args.checkpoint, args.out, args.dtype, args.expand_shared_qkv, args.max_shard_size, args.tokenizer,
+              args.peft)  # fmt: skip
 
 
 if __name__ == "__main__":

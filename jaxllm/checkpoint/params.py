@@ -23,6 +23,7 @@ from jaxllm.checkpoint.manager import UNREADABLE, CheckpointError, check_checksu
 from jaxllm.config import ModelConfig, ParallelConfig, RunConfig
 from jaxllm.model.decoder import Model
 from jaxllm.model.int8 import int8_model, quantize_weight
+from jaxllm.model.lora import merge_adapters
 from jaxllm.model.params import at_path, is_spec, storage_dtype
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.rules import tree_shardings
@@ -108,8 +109,9 @@ def load_params(
     in `mesh`'s shardings (default: the first device), cast to `dtype` (default: the config's
     param_dtype); a checkpoint's optimizer state is never read. With `quantize="int8"`,
     full-precision params are quantized from their stored dtype (an int8 export's weights are
-    read as they are) and the config says so. With `only` (a parameter's path, e.g. ("embed",)),
-    the params hold that one parameter (not with `quantize`)."""
+    read as they are) and the config says so. LoRA adapters are folded into their base weights
+    (W + a·b·alpha/rank) and the config has none. With `only` (a parameter's path, e.g.
+    ("embed",)), the params hold that one parameter as stored (not with `quantize`)."""
     path = pathlib.Path(path).absolute()
     mesh = mesh or make_mesh(ParallelConfig(data=1), jax.devices()[:1])
     if quantize is not None and only is not None:
@@ -125,6 +127,11 @@ def load_params(
         return part
 
     cfg, params, step = _read_params(path, target_of, step)
+    if only is not None:
+        return cfg, params, step
+    if cfg.model.lora.rank:
+        params, model = merge_adapters(params, cfg.model)
+        cfg = cfg.updated(model=model.to_dict())
     if quantize is None:
         return cfg, params, step
     params = quantize_params(params, cfg.model, mesh, dtype or cfg.model.param_dtype)

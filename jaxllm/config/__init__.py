@@ -19,6 +19,7 @@ from jaxllm.config.sections import (
     DataConfig,
     Fp8Config,
     InitConfig,
+    LoraConfig,
     ModelConfig,
     ParallelConfig,
     RopeScaling,
@@ -30,6 +31,6 @@ from jaxllm.config.sections import (
 
 __all__ = [
     "MESH_AXES", "REMAT_POLICIES", "CheckpointConfig", "ConfigError", "DataConfig", "Fp8Config", "InitConfig",
-    "ModelConfig", "ParallelConfig", "RopeScaling", "RunConfig", "Schedule", "Section", "TrainConfig",
+    "LoraConfig", "ModelConfig", "ParallelConfig", "RopeScaling", "RunConfig", "Schedule", "Section", "TrainConfig",
     "apply_overrides", "base_config", "field", "load_config", "require", "step_range", "validate", "validate_tensor",
 ]  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pathlib
 import typing
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, NamedTuple
@@ -57,6 +58,42 @@ class Fp8Config(Section):
     amax_reduce: AmaxReduce = field("global", "'local' skips the amax reduction over tensor (layouts then differ)")
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig(Section):
+    """Low-rank adapters (LoRA): each targeted projection W gains A·B·alpha/rank; only A and B train."""
+
+    name: ClassVar[str] = "model.lora"
+    rank: int = field(0, "the adapters' rank (0: no adapters, every weight trains)")
+    alpha: float = field(16.0, "the update's scale is alpha / rank")
+    dropout: float = field(0.0, "dropout on an adapter's input (only 0 is implemented)")
+    targets: str = field("q,k,v,o,gate,up,down", "comma-separated projections among " + ", ".join(LORA_TARGETS))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.rank >= 0, f"model.lora.rank={self.rank} must be at least 0 (0: no adapters)")
+        unknown = sorted(set(self.target_names) - set(LORA_TARGETS))
+        require(
+            not unknown and (self.rank == 0 or self.target_names),
+            f"model.lora.targets={self.targets!r}: {', '.join(unknown) or 'none named'}; name projections among "
+            + ", ".join(LORA_TARGETS),
+        )
+        require(
+            self.dropout == 0.0,
+            f"model.lora.dropout={self.dropout}: adapter dropout is not implemented; set model.lora.dropout=0",
+        )
+
+    @property
+    def target_names(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in self.targets.split(",") if t.strip())
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig(Section):
     """The architecture. `num_kv_heads` and `head_dim` left None are resolved when built (to
@@ -84,6 +121,7 @@ class ModelConfig(Section):
     attention: AttentionKernel = field("xla", "'xla' (everywhere), 'cudnn' or 'pallas' (fused, GPU only)")
     fp8: Fp8Config = field(Fp8Config(), "FP8 dense projections")
     quantize: Quantize | None = field(None, "'int8': int8 weights with per-output-channel scales (serving only)")
+    lora: LoraConfig = field(LoraConfig(), "low-rank adapters: only they train, the base weights stay frozen")
     init_std: float = field(0.02, "the initial weights' standard deviation")
     norm_eps: float = field(1e-5, "the norms' epsilon")
 
@@ -257,15 +295,16 @@ class TrainConfig(Section):
         "'A:B': trace steps A to B (inclusive) with jax.profiler into WORKDIR/profile/ and print a summary ('': off)",
     )
     sample_prompt: str = field("def ", "the end-of-training sample's prompt")
-    sample_tokens: int = field(64, "the sample's length")
+    sample_tokens: int = field(64, "the sample's length (0: no sample)")
     sample_temperature: float = field(0.7, "the sample's temperature (0: greedy)")
     sample_top_k: int = field(40, "the sample's top-k (0: all)")
     sample_top_p: float = field(1.0, "the sample's top-p")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("steps", "batch_size", "seq_len", "grad_accum_steps", "log_every", "sample_tokens"):
+        for name in ("steps", "batch_size", "seq_len", "grad_accum_steps", "log_every"):
             require(getattr(self, name) >= 1, f"train.{name}={getattr(self, name)} must be at least 1")
+        require(self.sample_tokens >= 0, f"train.sample_tokens={self.sample_tokens} must be at least 0 (0: no sample)")
         if (profiled := step_range(self.profile_steps, "train.profile_steps")) is not None:
             require(
                 profiled[1] <= self.steps,
@@ -281,12 +320,20 @@ class TrainConfig(Section):
         )
 
 
+DataFormat = Literal["text", "chat", "prompt_completion"]
+Overlong = Literal["truncate", "error"]
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig(Section):
-    """The corpus, its tokenizer, where it is prepared, and the validation loss's cadence."""
+    """The corpus, what it holds, its tokenizer, where it is prepared, and the validation loss's cadence."""
 
     name: ClassVar[str] = "data"
     inputs: str = field("stdlib", "comma-separated globs, 'stdlib', or pkg:PACKAGE/GLOB")
+    format: DataFormat = field("text", "what inputs hold: text, chat (messages), prompt_completion (see docs/data.md)")
+    text_field: str = field("text", "the text format's JSONL field or Parquet/dataset column")
+    chat_template: str | None = field(None, "a Jinja file to render chat data (None: the tokenizer's, else built in)")
+    overlong: Overlong = field("truncate", "a chat/prompt_completion example longer than seq_len+1: truncate or error")
     tokenizer: str = field("bpe", "'gpt2', a path to a tokenizer.json, or 'bpe': train one on the inputs")
     bpe_vocab_size: int = field(4096, "the trained BPE's vocabulary")
     dir: str = field("data/stdlib-bpe4096", "holds tokens/ (prepared shards) and, for 'bpe', tokenizer/")
@@ -298,6 +345,12 @@ class DataConfig(Section):
         super().__post_init__()
         for name in ("eval_every", "eval_batches"):
             require(getattr(self, name) >= 1, f"data.{name}={getattr(self, name)} must be at least 1")
+        require(bool(self.text_field), "data.text_field is empty; name the field or column that holds the text")
+        require(
+            self.chat_template is None or pathlib.Path(self.chat_template).is_file(),
+            f"data.chat_template={self.chat_template!r} is not a file; give a Jinja template file, or None for the "
+            "tokenizer's own (else the built-in one)",
+        )
 
 
 @dataclasses.dataclass(frozen=True)

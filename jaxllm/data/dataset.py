@@ -11,7 +11,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxllm.config import ConfigError, DataConfig, ModelConfig
-from jaxllm.data.corpus import read_documents, resolve_inputs
+from jaxllm.data.corpus import read_records, read_texts, resolve_inputs, work_units
+from jaxllm.data.examples import FIELDS, OPTIONAL
 from jaxllm.data.prepare import prepare, read_meta
 from jaxllm.data.tokenizer import Tokenizer, get_tokenizer, train_bpe
 from jaxllm.errors import JaxllmError
@@ -27,6 +28,20 @@ def _inputs(data: DataConfig) -> list[str]:
     return [p.strip() for p in data.inputs.split(",") if p.strip()]
 
 
+def _texts(data: DataConfig):
+    """The text a BPE is trained on: documents, or the messages', prompts' and completions' text."""
+    units = [unit for f in resolve_inputs(_inputs(data)) for unit in work_units(f)]
+    for unit in units:
+        if data.format == "text":
+            yield from (text for _, text in read_texts(unit, data.text_field))
+            continue
+        for _, record in read_records(unit, FIELDS[data.format], OPTIONAL[data.format]):
+            parts = record.get("messages") if data.format == "chat" else [record]
+            fields = ("content",) if data.format == "chat" else ("prompt", "completion")
+            if isinstance(parts, list):  # malformed records are named when they are prepared
+                yield from (p[k] for p in parts if isinstance(p, dict) for k in fields if isinstance(p.get(k), str))
+
+
 def _tokenizer_spec(data: DataConfig, directory: pathlib.Path) -> str:
     """The tokenizer named by `data.tokenizer`; 'bpe' trains one on the inputs the first time."""
     if data.tokenizer != "bpe":
@@ -34,8 +49,8 @@ def _tokenizer_spec(data: DataConfig, directory: pathlib.Path) -> str:
     path = directory / "tokenizer" / "tokenizer.json"
     if not path.exists():
         files = resolve_inputs(_inputs(data))
-        print(f"data: training a {data.bpe_vocab_size}-token byte-level BPE on {len(files)} files (first run only)")
-        train_bpe((text for f in files for _, text in read_documents(f)), data.bpe_vocab_size, path.parent)
+        print(f"data: training a {data.bpe_vocab_size}-token byte-level BPE on {len(files)} inputs (first run only)")
+        train_bpe(_texts(data), data.bpe_vocab_size, path.parent)
     return str(path)
 
 
@@ -62,7 +77,8 @@ def prepare_data(data: DataConfig, model: ModelConfig) -> Data:
         try:
             spec = _tokenizer_spec(data, directory)
             _check(get_tokenizer(spec), directory / "tokens", model)
-            prepare(_inputs(data), spec, directory / "tokens", data.val_fraction)
+            prepare(_inputs(data), spec, directory / "tokens", data.val_fraction, data_format=data.format,
+                    text_field=data.text_field, template=data.chat_template)  # fmt: skip
         except JaxllmError as e:
             failure = e
     if jax.process_count() > 1:  # the others must not wait for data that will never come

@@ -50,6 +50,11 @@ class Tokenizer(Protocol):
 
     def decode(self, ids) -> str: ...
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids of a rendered chat, its special tokens' text parsed as those tokens (as transformers
+        tokenizes a chat), and each token's [start, end) characters in `text`."""
+        ...
+
     def save(self, directory: pathlib.Path) -> str:
         """Writes what reloads this tokenizer into `directory`; returns what to pass `get_tokenizer`
         there ('gpt2', or the file's name)."""
@@ -61,6 +66,23 @@ def _sha256(*paths: pathlib.Path) -> str:
     for path in paths:
         digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+def _char_spans(text: str, byte_lengths: list[int]) -> list[tuple[int, int]]:
+    """[start, end) characters of tokens given their UTF-8 lengths: a token that holds part of a
+    character covers all of it."""
+    data = text.encode()
+    char_of_byte = [0] * len(data)
+    index = -1
+    for b, byte in enumerate(data):
+        index += (byte & 0xC0) != 0x80  # a character starts at every byte that does not continue one
+        char_of_byte[b] = index
+    spans, start = [], 0
+    for length in byte_lengths:
+        end = start + length
+        spans.append((char_of_byte[start], char_of_byte[end - 1] + 1) if length else (0, 0))
+        start = end
+    return spans
 
 
 class GPT2Tokenizer:
@@ -99,6 +121,11 @@ class GPT2Tokenizer:
 
     def decode(self, ids) -> str:
         return self._enc.decode([int(i) for i in ids])
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        ids = self._enc.encode(text, allowed_special="all")
+        lengths = [len(self._enc.decode_single_token_bytes(i)) for i in ids]
+        return ids, _char_spans(text, lengths)
 
     def save(self, directory: pathlib.Path) -> str:
         return "gpt2"  # rebuilt from the verified package files
@@ -185,6 +212,10 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, [tuple(o) for o in encoding.offsets]
 
     def save(self, directory: pathlib.Path) -> str:
         source = pathlib.Path(self.name)

@@ -20,6 +20,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.model import layers
 from jaxllm.model.cache import AXES
 from jaxllm.model.dense import dense_weight, projections
+from jaxllm.model.lora import SUFFIX, adapted, adapter
 from jaxllm.model.params import declare, params_of, value_axes
 from jaxllm.parallel.rules import constrain
 from jaxllm.parallel.tensor_parallel import RESIDUAL, tensor_parallel
@@ -33,6 +34,13 @@ UNSTACKED: Stack = ((), ())
 def _residual_std(model: ModelConfig) -> float:
     """Scaled init of the projections that write into the residual stream (GPT-2)."""
     return model.init_std / (2 * model.num_layers) ** 0.5
+
+
+def _adapt(module: nnx.Module, model: ModelConfig, name: str, stack: Stack, shape, axes, contracted: int) -> None:
+    """Gives `module`'s weight `name` its LoRA adapter, `{name}_lora`, if `model.lora` targets it."""
+    target = "o" if name == "o_proj" else name
+    if (extra := adapter(model, target, stack, shape, axes, contracted)) is not None:
+        setattr(module, name + SUFFIX, extra)
 
 
 class Norm(nnx.Module):
@@ -58,27 +66,30 @@ class Attention(nnx.Module):
         h, s, std = model.hidden, model, model.init_std
         hd, kv = s.head_dim, s.num_kv_heads
         self.implementation, self.project = model.attention, projections(model)
-        self.q = dense_weight(model, stack, (h, model.num_heads, hd), ("embed", "heads", "head_dim"), 1, std)
-        self.k = dense_weight(model, stack, (h, kv, hd), ("embed", "kv_heads", "head_dim"), 1, std)
-        self.v = dense_weight(model, stack, (h, kv, hd), ("embed", "kv_heads", "head_dim"), 1, std)
+        for name, heads, head_axis in (("q", model.num_heads, "heads"), ("k", kv, "kv_heads"), ("v", kv, "kv_heads")):
+            shape, axes = (h, heads, hd), ("embed", head_axis, "head_dim")
+            setattr(self, name, dense_weight(model, stack, shape, axes, 1, std))
+            _adapt(self, model, name, stack, shape, axes, 1)
 
-    def __call__(self, x: jax.Array, o_proj: nnx.Param | nnx.Module, ctx: layers.Context, cached=None):
-        """The attention block's output; with `cached` (a `KVCache` and the layer's index in it),
-        (output, keys, values): the cache's pools with this layer's new entries written."""
+    def __call__(self, x: jax.Array, out: dict, ctx: layers.Context, cached=None):
+        """The attention block's output, projected out by `out` (the layer's output projection,
+        {"o_proj": ..., and its adapter if any}); with `cached` (a `KVCache` and the layer's index
+        in it), (output, keys, values): the cache's pools with this layer's new entries written."""
         project = self.project
+        o_axes, o_proj = (adapted({k: f(v) for k, v in out.items()}, "o_proj") for f in (value_axes, params_of))
         if cached is not None:
             cache, layer = cached
             attend = tensor_parallel(
                 partial(layers.cached_attention, project=project, implementation=self.implementation),
-                value_axes(self), value_axes(o_proj), (ROPE_AXES,) * 2, AXES, AXES, (), ("batch", None),
+                value_axes(self), o_axes, (ROPE_AXES,) * 2, AXES, AXES, (), ("batch", None),
                 ("batch", None), kept_axes=(AXES, AXES), split_batch=False,
             )  # fmt: skip
             rope, args = ctx.rope, (cache.keys, cache.values, layer, cache.table, ctx.positions)
-            return attend(x, params_of(self), params_of(o_proj), rope, *args)
+            return attend(x, params_of(self), o_proj, rope, *args)
         attention = partial(layers.attention, implementation=self.implementation, project=project)
         segments = () if ctx.segment_ids is None else ("batch", "seq")
-        attend = tensor_parallel(attention, value_axes(self), value_axes(o_proj), (ROPE_AXES,) * 2, segments)
-        return attend(x, params_of(self), params_of(o_proj), ctx.rope, ctx.segment_ids)
+        attend = tensor_parallel(attention, value_axes(self), o_axes, (ROPE_AXES,) * 2, segments)
+        return attend(x, params_of(self), o_proj, ctx.rope, ctx.segment_ids)
 
 
 class FeedForward(nnx.Module):
@@ -91,6 +102,9 @@ class FeedForward(nnx.Module):
         self.down = dense_weight(model, stack, (m, h), ("mlp", "embed"), 1, _residual_std(model))
         if model.gated:
             self.gate = dense_weight(model, stack, (h, m), ("embed", "mlp"), 1, model.init_std)
+        for name in ("up", "down", "gate") if model.gated else ("up", "down"):
+            shape, axes = ((m, h), ("mlp", "embed")) if name == "down" else ((h, m), ("embed", "mlp"))
+            _adapt(self, model, name, stack, shape, axes, 1)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         mlp = partial(layers.feed_forward, activation=self.activation, project=self.project)
@@ -104,16 +118,17 @@ class DecoderLayer(nnx.Module):
     def __init__(self, model: ModelConfig, stack: Stack = UNSTACKED):
         head_dims = (model.num_heads, model.head_dim)
         self.attn_norm = Norm(model, stack)
-        self.o_proj = dense_weight(
-            model, stack, (*head_dims, model.hidden), ("heads", "head_dim", "embed"), 2, _residual_std(model)
-        )
+        o_shape, o_axes = (*head_dims, model.hidden), ("heads", "head_dim", "embed")
+        self.o_proj = dense_weight(model, stack, o_shape, o_axes, 2, _residual_std(model))
+        _adapt(self, model, "o_proj", stack, o_shape, o_axes, 2)
         self.mlp_norm = Norm(model, stack)
         self.mlp = FeedForward(model, stack)
 
     def __call__(self, x: jax.Array, qkv: Attention, ctx: layers.Context, cached=None):
         """The layer's output; with `cached` (see `Attention`), (output, (keys, values))."""
         x = checkpoint_name(x, "layer_input")
-        attended = qkv(self.attn_norm(x), self.o_proj, ctx, cached)
+        out = {k: getattr(self, k) for k in ("o_proj", "o_proj" + SUFFIX) if hasattr(self, k)}
+        attended = qkv(self.attn_norm(x), out, ctx, cached)
         out, new = (attended[0], attended[1:]) if cached is not None else (attended, None)
         x = x + out
         x = x + checkpoint_name(self.mlp(self.mlp_norm(x)), "mlp_out")

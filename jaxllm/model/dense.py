@@ -15,6 +15,7 @@ from flax import nnx
 from jaxllm.config import ModelConfig
 from jaxllm.model.fp8 import fp8_projections
 from jaxllm.model.int8 import Int8Weight, int8_projections
+from jaxllm.model.lora import with_adapters
 from jaxllm.model.params import declare
 from jaxllm.model.project import Plain
 from jaxllm.model.project import projections as projections_with
@@ -42,7 +43,9 @@ einsum_projections: Project = projections_with(Plain())  # einsums in x's dtype,
 
 
 def projections(model: ModelConfig) -> Project:
-    """The op a model's precision settings ask for."""
+    """The op a model's precision settings ask for, taking LoRA-adapted weights if it has adapters."""
     if model.quantize == "int8":
-        return int8_projections
-    return fp8_projections(model.fp8.amax_reduce) if model.fp8.enabled else einsum_projections
+        op = int8_projections
+    else:
+        op = fp8_projections(model.fp8.amax_reduce) if model.fp8.enabled else einsum_projections
+    return with_adapters(op, model.lora.scale) if model.lora.rank else op

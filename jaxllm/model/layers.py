@@ -22,6 +22,7 @@ from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 from jaxllm.config import RopeScaling
 from jaxllm.model.cache import Entries, Int8, encode, read, write
 from jaxllm.model.dense import Project, einsum_projections
+from jaxllm.model.lora import adapted
 from jaxllm.parallel.rules import manual_spec
 
 NEG_INF = -1e30  # finite, so fully masked rows give a uniform softmax instead of NaN
@@ -167,7 +168,7 @@ def self_attention(
 
 
 def _project_qkv(x: jax.Array, qkv: dict, rope: tuple[jax.Array, jax.Array], project: Project) -> tuple[jax.Array, ...]:
-    q, k, v = project(x, (qkv["q"], qkv["k"], qkv["v"]), "bte,ehd->bthd")
+    q, k, v = project(x, tuple(adapted(qkv, n) for n in "qkv"), "bte,ehd->bthd")
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     return tuple(checkpoint_name(a, "qkv_proj") for a in (q, k, v))
 
@@ -259,11 +260,11 @@ def cached_attention(
 def feed_forward(x: jax.Array, p: dict, activation: str, project: Project = einsum_projections) -> jax.Array:
     """GLU (SwiGLU / GeGLU) or plain GELU MLP on this device's slice of `mlp`."""
     if activation == "gelu":
-        (up,) = project(x, (p["up"],), "bte,em->btm")
+        (up,) = project(x, (adapted(p, "up"),), "bte,em->btm")
         hidden = jax.nn.gelu(up)
     else:
-        gate, up = project(x, (p["gate"], p["up"]), "bte,em->btm")
+        gate, up = project(x, (adapted(p, "gate"), adapted(p, "up")), "bte,em->btm")
         act = jax.nn.silu if activation == "swiglu" else jax.nn.gelu
         hidden = act(gate) * up
     hidden = checkpoint_name(hidden, "mlp_in")
-    return project(hidden, (p["down"],), "btm,me->bte")[0]
+    return project(hidden, (adapted(p, "down"),), "btm,me->bte")[0]

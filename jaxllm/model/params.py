@@ -36,6 +36,7 @@ class ParamSpec:
     decay: bool = True  # AdamW's weight decay applies
     keep_fp32: bool = False  # computes in fp32 whatever the compute dtype (a norm's own arithmetic)
     quantizable: bool = False  # a projection's weight: int8 serving stores it in int8
+    adapter: bool = False  # a LoRA adapter: with adapters, only these train
 
 
 def declare(
@@ -48,6 +49,7 @@ def declare(
     decay: bool = True,
     keep_fp32: bool = False,
     quantizable: bool = False,
+    adapter: bool = False,
 ) -> nnx.Param:
     """A parameter with its logical axis names, initialiser and policy (see `ParamSpec`), holding
     only its shape until the decoder gives every parameter its value by path. No eager sharding:
@@ -57,7 +59,7 @@ def declare(
     return nnx.Param(
         jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)),
         out_sharding=axes, init=init, std=std, own_dtype=fixed, decay=decay, keep_fp32=keep_fp32,
-        quantizable=quantizable, eager_sharding=False,
+        quantizable=quantizable, adapter=adapter, eager_sharding=False,
     )  # fmt: skip
 
 
@@ -82,7 +84,7 @@ def params_of(module: nnx.Module) -> Params:
 def specs_of(module: nnx.Module) -> dict[str, Any]:
     """The module's parameters as ParamSpecs (shape, logical axes, initialiser, policy)."""
     return _param_tree(module, lambda p: ParamSpec(tuple(p.shape), tuple(p.out_sharding), p.init, p.std, p.own_dtype,
-                                                   p.decay, p.keep_fp32, p.quantizable))  # fmt: skip
+                                                   p.decay, p.keep_fp32, p.quantizable, p.adapter))  # fmt: skip
 
 
 def value_axes(param: nnx.Param | nnx.Module) -> Any:

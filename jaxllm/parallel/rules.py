@@ -33,6 +33,7 @@ RULES: dict[str, MeshAxes] = {
     "layers": None,
     "repeats": None,
     "sublayers": None,
+    "lora_rank": None,  # a LoRA adapter's rank: small, whole on every device
     "stages": "stage",  # the pipeline view's stage dim
     "head_seq": "stage",  # after a pipeline, the head and loss split the sequence over its stages
 }

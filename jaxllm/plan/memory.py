@@ -13,7 +13,8 @@ import jax.numpy as jnp
 
 from jaxllm.config import MESH_AXES, ModelConfig, RunConfig, Schedule
 from jaxllm.model.decoder import Model
-from jaxllm.model.params import ParamSpec, is_spec
+from jaxllm.model.lora import partition, trained_mask
+from jaxllm.model.params import ParamSpec, is_spec, storage_dtype
 from jaxllm.parallel.rules import GATHERED_RULES, OPTIMIZER_RULES, RULES, as_tuple, logical_spec
 
 
@@ -29,9 +30,9 @@ def specs_of(model: ModelConfig, schedule: Schedule | None = None) -> dict:
 
 
 def _itemsize(dtype, norms_in_fp32: bool = False) -> Callable[[ParamSpec], int]:
-    """A parameter's bytes per element (the pipeline's copies keep the `keep_fp32` ones in fp32)."""
-    size = jnp.dtype(dtype).itemsize
-    return lambda spec: 4 if norms_in_fp32 and spec.keep_fp32 else size
+    """A parameter's bytes per element in `dtype` or its own (LoRA's fp32 adapters); the pipeline's
+    copies keep the `keep_fp32` ones in fp32."""
+    return lambda spec: 4 if norms_in_fp32 and spec.keep_fp32 else storage_dtype(spec, dtype).itemsize
 
 
 def _per_device_bytes(specs, rules, mesh: jax.sharding.AbstractMesh, itemsize, *, fit: bool = False) -> int:
@@ -86,16 +87,17 @@ def memory(cfg: RunConfig) -> dict[str, float]:
     """Per-device bytes of a training step by component, from the config alone (mesh sizes of -1
     count as 1). What the planner predicts and `--dry-run` prints beside the compiler's figures.
     An offloaded optimizer state, and the activations remat 'offload' moves, are counted apart
-    from the device total."""
+    from the device total. With LoRA, gradients and optimizer state are the adapters' alone."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     sizes = mesh_sizes(cfg)
     mesh = jax.sharding.AbstractMesh(tuple(sizes.values()), MESH_AXES)
     schedule = cfg.parallel.schedule
     specs = specs_of(m, schedule)
+    trained = partition(specs, trained_mask(specs, m))[0]
     fp32, param = _itemsize(jnp.float32), _itemsize(m.param_dtype)
     compute = _itemsize(m.dtype, norms_in_fp32=True)
     moment_rules = OPTIMIZER_RULES if p.zero1 else RULES
-    moments = 2 * _per_device_bytes(specs, moment_rules, mesh, fp32, fit=True)
+    moments = 2 * _per_device_bytes(trained, moment_rules, mesh, fp32, fit=True)
     out = {
         "params": _per_device_bytes(specs, RULES, mesh, param),
         "optimizer state (Adam m, v)": 0.0 if p.offload_optimizer else moments,
@@ -103,16 +105,17 @@ def memory(cfg: RunConfig) -> dict[str, float]:
         # accumulation, a microstep's beside their sum
         "fp32 gradients": moments / 2 * (2 if t.grad_accum_steps > 1 else 1),
     }
-    groups = specs["groups"]
+    groups, trained_groups = specs["groups"], trained.get("groups", {})
     if schedule is None:  # FSDP gathers one group at a time; its gradient is summed before the scatter
-        one_group = jax.tree.map(
-            lambda s: dataclasses.replace(s, shape=s.shape[1:], axes=s.axes[1:]), groups, is_leaf=is_spec
-        )
-        gathered = _per_device_bytes(one_group, GATHERED_RULES, mesh, compute)
-        gathered += _per_device_bytes(one_group, GATHERED_RULES, mesh, fp32)
+        def one_group(tree):
+            return jax.tree.map(lambda s: dataclasses.replace(s, shape=s.shape[1:], axes=s.axes[1:]), tree,
+                                is_leaf=is_spec)  # fmt: skip
+
+        gathered = _per_device_bytes(one_group(groups), GATHERED_RULES, mesh, compute)
+        gathered += _per_device_bytes(one_group(trained_groups), GATHERED_RULES, mesh, fp32)
     else:  # the stage's weights for the whole step, and their fp32 gradient sums (see pipeline.py)
         gathered = _per_device_bytes(groups, GATHERED_RULES, mesh, compute)
-        gathered += _per_device_bytes(groups, GATHERED_RULES, mesh, fp32)
+        gathered += _per_device_bytes(trained_groups, GATHERED_RULES, mesh, fp32)
     out["gathered weights + their fp32 gradient"] = gathered
     data, tensor, stage = sizes["data"] * sizes["fsdp"], sizes["tensor"], sizes["stage"]
     rows = t.batch_size // data // t.grad_accum_steps  # sequences per device per microstep

@@ -25,9 +25,22 @@ def param_counts(model: ModelConfig) -> dict[str, int]:
         "attention out": layers * nh * s.head_dim * h,
         "feed-forward": layers * s.ffn_matrices * h * m,
         "norms": (2 * layers + 1) * norm,
+        "LoRA adapters": lora_count(model),
     }
     counts["total"] = sum(counts.values())
     return counts
+
+
+def lora_count(model: ModelConfig, applied: bool = False) -> int:
+    """The adapters' parameters: rank × (inputs + outputs) of each targeted projection, per group
+    for the shared q/k/v (per layer that applies them, if `applied`), per layer for the others."""
+    s, h, r = model, model.hidden, model.lora.rank
+    q, kv, m = model.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, model.mlp
+    qkv = s.num_layers if applied else s.groups
+    sizes = {"q": (qkv, h + q), "k": (qkv, h + kv), "v": (qkv, h + kv), "o": (s.num_layers, q + h),
+             "up": (s.num_layers, h + m), "down": (s.num_layers, m + h), "gate": (s.num_layers, h + m)}  # fmt: skip
+    targets = [t for t in model.lora.target_names if t != "gate" or model.gated]
+    return r * sum(sizes[t][0] * sizes[t][1] for t in targets)
 
 
 def megatron_extras(model: ModelConfig, seq_len: int) -> dict[str, int]:

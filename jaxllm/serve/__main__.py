@@ -15,6 +15,7 @@ from absl import logging
 from jaxllm import cli
 from jaxllm.checkpoint.hf.config import require_hf_dir
 from jaxllm.config import ConfigError, RunConfig, step_range
+from jaxllm.data.chat import special_tokens
 from jaxllm.data.tokenizer import prompt_ids
 from jaxllm.errors import exit_on_error
 from jaxllm.profile import StepProfiler
@@ -71,10 +72,6 @@ def complete_prompts(path: str, serving: Serving, tokenizer, args) -> None:
     for generation, prompt in zip(engine.generate(requests), args.prompt, strict=True):
         choice = generation.choices()[0]
         print(f"--- {prompt!r} ({choice.finish_reason}, {len(choice.tokens)} tokens)\n{prompt}{choice.text}")
-
-
-def special_tokens(tokenizer) -> dict[str, str]:
-    return {"bos_token": tokenizer.decode([tokenizer.bos_id]), "eos_token": tokenizer.decode([tokenizer.eos_id])}
 
 
 def serve_http(path: str, serving: Serving, tokenizer, args) -> None:

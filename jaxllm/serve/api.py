@@ -152,7 +152,9 @@ def create_app(server: Server) -> FastAPI:
         engine = server.ready()
         messages = [{"role": m.role, "content": m.text} for m in body.messages]
         try:
-            prompt = await run_in_threadpool(lambda: server.tokenizer.encode(server.chat.render(messages)))
+            # special tokens in the rendered text are parsed as such, as the chat data format does in training
+            rendered = server.chat.render
+            prompt = await run_in_threadpool(lambda: server.tokenizer.encode_with_offsets(rendered(messages))[0])
         except RequestError as e:
             raise ApiError.of(e) from e
         limit = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens

@@ -1,7 +1,7 @@
 """What a server starts from: a training run's latest readable checkpoint (from any training mesh
 or pipeline), an export or a Hugging Face Llama directory; its config with overrides on top, its
-tokenizer, and the params alone, cast to the serving dtype and read straight into the serving
-shardings."""
+tokenizer, and the params alone (a LoRA run's adapters merged into their weights), cast to the
+serving dtype and read straight into the serving shardings."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ def serving_setup(
         saved_tokenizer = load_saved_tokenizer(path / "tokenizer", tokenizer)
     stored = stored_config(path)
     cfg = stored.overridden({k: v for k, v in overrides.items() if not k.startswith(SERVE)})
+    cfg = cfg.updated(model=dict(lora=dict(rank=0)))  # LoRA adapters are folded into their weights at load
     if stored.model.quantize == "int8" and cfg.model.quantize != "int8":
         raise ConfigError(f"{path} holds int8 weights, which serve only as int8; drop the model.quantize override "
                           "or serve the training run it was exported from")  # fmt: skip

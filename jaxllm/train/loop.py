@@ -90,7 +90,8 @@ def train(
     ledger.mark("evaluate")
     heartbeat.stopped(heartbeat.FINISHED, cfg.train.steps, jax.process_index())
     if jax.process_index() == 0:
-        print("sample:", json.dumps(sample))
+        if sample is not None:
+            print("sample:", json.dumps(sample))
         goodput = account(workdir)
         (pathlib.Path(workdir) / "goodput.json").write_text(json.dumps(goodput, indent=2))
         print(format_account(goodput), flush=True)
@@ -167,9 +168,10 @@ class Loop:
         eos = data.tokenizer.eos_id
         shard, shards, self.rows = _data_shard(run.batch_sharding, t.batch_size)
         self.batches = train_batches(
-            data.tokens_dir, t.seq_len, self.rows.stop - self.rows.start, t.seed, eos, shard, shards
-        )
-        val = eval_batches(data.tokens_dir, t.seq_len, t.batch_size, cfg.data.eval_batches, eos)
+            data.tokens_dir, t.seq_len, self.rows.stop - self.rows.start, t.seed, eos, shard, shards,
+            overlong=cfg.data.overlong,
+        )  # fmt: skip
+        val = eval_batches(data.tokens_dir, t.seq_len, t.batch_size, cfg.data.eval_batches, eos, cfg.data.overlong)
         self.val = [self._global({k: v[self.rows] for k, v in b.items()}) for b in val]
         self.peak, peak_source = peak
         self.flops_per_step = plan.flops_per_token(cfg.model, t.seq_len) * t.batch_size * t.seq_len
@@ -334,9 +336,12 @@ class Loop:
         if jax.process_index() == 0:
             print(f"preempted: checkpoint saved at step {step}; run the same command to resume")
 
-    def sample(self) -> str:
-        """The end-of-training sample, from the plain stack over the canonical group order."""
+    def sample(self) -> str | None:
+        """The end-of-training sample, from the plain stack over the canonical group order (None
+        with `train.sample_tokens=0`)."""
         t, model = self.run.cfg.train, self.run.cfg.model
+        if t.sample_tokens == 0:
+            return None
         tokenizer = self.data.tokenizer
         prompt = prompt_ids(tokenizer, t.sample_prompt)
         length = min(len(prompt) + t.sample_tokens, model.max_seq_len)

@@ -17,7 +17,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxllm.checkpoint import Checkpointer
 from jaxllm.config import ConfigError, RunConfig, Schedule
 from jaxllm.model.decoder import Model
-from jaxllm.model.params import is_spec
+from jaxllm.model.lora import partition, trained_mask
+from jaxllm.model.params import is_spec, storage_dtype
 from jaxllm.parallel.rules import OPTIMIZER_RULES, RULES, logical_spec, tree_shardings
 from jaxllm.train.optim import make_optimizer
 
@@ -32,8 +33,10 @@ class Run:
     model: Model  # in the run's own (pipeline) view
     optimizer: optax.GradientTransformation
     state: State  # the train state's shapes, dtypes and shardings, in the run's own (pipeline) view
-    # Of gradients summed over microsteps: as the optimizer moments lie (with ZeRO-1, split over
-    # `data` too: each microstep's gradients are reduce-scattered into them, never all-reduced).
+    # Which params train (all, or with LoRA adapters only those); the optimizer holds state for these alone.
+    trained: dict
+    # Of gradients summed over microsteps (of the trained params): as the optimizer moments lie (with
+    # ZeRO-1, split over `data` too: each microstep's gradients are reduce-scattered into them).
     grad_shardings: dict
     batch_sharding: NamedSharding
     # The state as checkpoints hold it: canonical group order, each array split over the same
@@ -60,25 +63,29 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 def build_run(cfg: RunConfig, mesh: Mesh) -> Run:
     schedule, p = cfg.parallel.schedule, cfg.parallel
     model = Model(cfg.model, schedule)
-    optimizer = make_optimizer(cfg.train, model.specs)
+    specs = model.specs
+    trained = trained_mask(specs, cfg.model)
+    trained_specs = partition(specs, trained)[0]
+    optimizer = make_optimizer(cfg.train, trained_specs)
     dtype = jnp.dtype(cfg.model.param_dtype)
     if p.offload_optimizer:
         check_host_memory(mesh.devices.flat[0])
     state = partial(_abstract_state, optimizer=optimizer, mesh=mesh, zero1=p.zero1, offload=p.offload_optimizer,
                     dtype=dtype)  # fmt: skip
-    specs = model.specs
-    own = state(specs, rules=RULES)
+    own = state(specs, trained, rules=RULES)
     # Canonical [groups, ...] split in contiguous blocks over `stage`: the same bytes per device as
     # the pipeline view (exactly its layout when repeats = 1), resharded to it after the read.
     canonical_specs = specs if schedule is None else Model(cfg.model).specs
-    canonical = state(canonical_specs, rules=RULES if schedule is None else {**RULES, "layers": "stage"})
+    canonical_rules = RULES if schedule is None else {**RULES, "layers": "stage"}
+    canonical = state(canonical_specs, trained_mask(canonical_specs, cfg.model), rules=canonical_rules)
     return Run(
         cfg=cfg,
         mesh=mesh,
         model=model,
         optimizer=optimizer,
         state=own,
-        grad_shardings=_moment_shardings(specs, mesh, p.zero1, RULES),
+        trained=trained,
+        grad_shardings=_moment_shardings(trained_specs, mesh, p.zero1, RULES),
         batch_sharding=batch_sharding(mesh),
         canonical=canonical,
     )
@@ -103,16 +110,19 @@ def _moment_shardings(specs, mesh: Mesh, zero1: bool, rules: dict) -> dict:
     return tree_shardings(specs, mesh, {**rules, "embed": OPTIMIZER_RULES["embed"]} if zero1 else rules, fit=True)
 
 
-def _abstract_state(specs, optimizer, mesh: Mesh, zero1: bool, offload: bool, rules: dict, dtype) -> State:
-    """Shapes, dtypes and shardings of the train state. Params follow `rules`; optimizer moments
-    follow `_moment_shardings`. With
-    `offload`, the optimizer state lives in pinned host memory between steps."""
+def _abstract_state(
+    specs, trained: dict, optimizer, mesh: Mesh, zero1: bool, offload: bool, rules: dict, dtype
+) -> State:
+    """Shapes, dtypes and shardings of the train state. Params follow `rules`; the optimizer's
+    moments (of the `trained` params) follow `_moment_shardings`. With `offload`, the optimizer
+    state lives in pinned host memory between steps."""
     params = tree_shardings(specs, mesh, rules)
-    moments = _moment_shardings(specs, mesh, zero1, rules)
-    shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), specs, is_leaf=is_spec)
-    params_def = jax.tree.structure(params)
+    trained_specs = partition(specs, trained)[0]
+    moments = _moment_shardings(trained_specs, mesh, zero1, rules)
+    shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, storage_dtype(s, dtype)), specs, is_leaf=is_spec)
+    params_def = jax.tree.structure(moments)
     replicated = NamedSharding(mesh, PartitionSpec())
-    opt_shapes = jax.eval_shape(optimizer.init, shapes)
+    opt_shapes = jax.eval_shape(optimizer.init, partition(shapes, trained)[0])
     opt_shardings = jax.tree.map(
         lambda node: moments if jax.tree.structure(node) == params_def else replicated,
         opt_shapes,

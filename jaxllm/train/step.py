@@ -12,6 +12,7 @@ from jaxllm.checkpoint import read_into
 from jaxllm.checkpoint.layout import from_canonical
 from jaxllm.config import RunConfig
 from jaxllm.model.decoder import Model
+from jaxllm.model.lora import adapter_mask, combine, partition
 from jaxllm.parallel.rules import activation_rules, rules_for
 from jaxllm.parallel.schedule import split_microbatches
 from jaxllm.train.optim import learning_rate
@@ -41,15 +42,21 @@ def init_params(cfg: RunConfig) -> dict:
 
 
 def init_state(run: Run) -> State:
-    """Initialises params (from the seed, or from the Llama at `init.hf`) and a fresh optimizer
-    state directly into their shardings."""
+    """Initialises params (from the seed, or from the weights at `init.hf`: a Hugging Face Llama, an
+    export or a run; LoRA's adapters always from the seed) and a fresh optimizer state for the
+    trained params, directly into their shardings."""
+    adapters = adapter_mask(run.model.specs)
 
-    def init(params: dict | None) -> State:
-        params = run.model.init(run.cfg.train.seed) if params is None else from_canonical(params, run.schedule)
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": run.optimizer.init(params)}
+    def init(loaded: dict | None) -> State:
+        params = run.model.init(run.cfg.train.seed)  # what `loaded` replaces, the compiler leaves out
+        if loaded is not None:
+            params = combine(partition(params, adapters)[0], from_canonical(loaded, run.schedule))
+        trained = partition(params, run.trained)[0]
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": run.optimizer.init(trained)}
 
     hf = run.cfg.init.hf
-    loaded = None if hf is None else read_into(hf, run.canonical["params"])
+    # The canonical params have the same keys as the run's own view: the mask fits both.
+    loaded = None if hf is None else read_into(hf, partition(run.canonical["params"], adapters)[1])
     return jax.jit(init, out_shardings=run.shardings)(loaded)
 
 
@@ -63,17 +70,18 @@ def train_step(state: State, batch: Batch, run: Run) -> tuple[State, dict]:
 def _train_step(state: State, batch: Batch, run: Run) -> tuple[State, dict]:
     cfg = run.cfg
     model, accum = run.model, cfg.train.grad_accum_steps
-    grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
-    params = state["params"]
-    copies = model.stage_copies(params)  # a pipeline's FSDP gather: once per step
+    # Gradients of the trained params only (all, or LoRA's adapters): the frozen ones are constants.
+    trained, frozen = partition(state["params"], run.trained)
+    grad_fn = jax.value_and_grad(lambda t, *args: loss_sums(combine(t, frozen), *args), has_aux=True)
+    copies = model.stage_copies(state["params"])  # a pipeline's FSDP gather: once per step
 
     def accumulate(carry, micro):
         total, count, grads = carry
-        (loss, n), g = grad_fn(params, micro, model, copies)
+        (loss, n), g = grad_fn(trained, micro, model, copies)
         grads = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grads, g), run.grad_shardings)
         return (total + loss, count + n, grads), None
 
-    zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), run.grad_shardings)
+    zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, trained), run.grad_shardings)
     (total, count, grads), _ = jax.lax.scan(
         accumulate, (jnp.zeros(()), jnp.zeros(()), zeros), jax.tree.map(partial(split_microbatches, m=accum), batch)
     )
@@ -85,8 +93,8 @@ def _train_step(state: State, batch: Batch, run: Run) -> tuple[State, dict]:
     opt_state = state["opt_state"]
     if cfg.parallel.offload_optimizer:  # in from host memory for the update; out_shardings send it back
         opt_state = jax.device_put(opt_state, on_device(run.shardings["opt_state"]))
-    new_params, new_opt_state = apply_optimizer(run.optimizer, grads, params, opt_state, finite)
-    new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": new_opt_state}
+    new_trained, new_opt_state = apply_optimizer(run.optimizer, grads, trained, opt_state, finite)
+    new_state = {"step": state["step"] + 1, "params": combine(new_trained, frozen), "opt_state": new_opt_state}
     metrics = {
         "loss": total / count,
         "grad_norm": grad_norm,

@@ -6,6 +6,7 @@ client; fine-tuning's config and its initial state on a pipeline mesh. With the 
 
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -28,6 +29,7 @@ from jaxllm.convert import from_hf, to_hf
 from jaxllm.data.tokenizer import TokenizerError, get_tokenizer, save_tokenizer, train_bpe
 from jaxllm.model.decoder import Decoder, Model
 from jaxllm.model.generate import generate
+from jaxllm.model.lora import adapter_mask, combine, partition
 from jaxllm.model.params import params_of
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.serve.chat import ChatTemplate
@@ -598,3 +600,52 @@ def test_a_models_own_chat_template_renders_as_transformers_renders_it_there(tmp
     ours = ChatTemplate(template, tokens, "the test's template", transformers_style=True)
     expected = theirs.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
     assert ours.render(messages) == expected
+
+
+def lora_export(directory: pathlib.Path, base: RunConfig, params: dict, **lora) -> tuple[RunConfig, dict]:
+    """An export of `base` with rank-4 LoRA adapters on `params`, each adapter random (a fresh one,
+    b = 0, would hide a transposed or misplaced a·b); returns its config and its params."""
+    cfg = base.updated(model=dict(lora=dict(rank=4, alpha=12.0, **lora)))
+    fresh = Model(cfg.model).init(5)
+    adapters, _ = partition(fresh, adapter_mask(Model(cfg.model).specs))
+    keys = iter(jax.random.split(jax.random.key(2), len(jax.tree.leaves(adapters))))
+    adapters = jax.tree.map(lambda a: 0.2 * jax.random.normal(next(keys), a.shape, a.dtype), adapters)
+    params = combine(jax.device_get(params), adapters)
+    write_export(directory, cfg, params, 9)
+    return cfg, params
+
+
+def unmerged_logits(cfg: RunConfig, params: dict, tokens) -> np.ndarray:
+    model = cfg.model.replace(dtype="float32")
+    return np.asarray(Model(model).logits(params, tokens))[..., : model.vocab_size]
+
+
+def test_a_lora_run_converts_merged_into_an_exact_llama(tmp_path, capsys):
+    base = own_export(tmp_path / "base")
+    cfg, params = lora_export(tmp_path / "export", base, load_params(tmp_path / "base")[1])
+    shutil.copytree(tmp_path / "base" / "tokenizer", tmp_path / "export" / "tokenizer")
+    to_hf(tmp_path / "export", tmp_path / "hf")
+    tokens = TOKENS % cfg.model.vocab_size
+    ours = unmerged_logits(cfg, params, tokens)
+    assert np.abs(ours - unmerged_logits(base, load_params(tmp_path / "base")[1], tokens)).max() > 0.1
+    np.testing.assert_allclose(our_logits(tmp_path / "hf", tokens), ours, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ConversionError, match="--peft: .* has no LoRA adapters"):
+        to_hf(tmp_path / "base", tmp_path / "peft", peft=True)
+
+
+@needs_hf
+def test_a_peft_adapter_export_loads_in_peft_with_equal_logits(tmp_path):
+    import peft
+
+    base = transformers_llama(tmp_path / "hf", num_key_value_heads=2)
+    stored, params, _ = load_params(tmp_path / "hf")
+    stored = stored.updated(init=dict(hf=str(tmp_path / "hf")))
+    cfg, params = lora_export(tmp_path / "export", stored, params, targets="q,k,v,o,gate,up,down")
+    to_hf(tmp_path / "export", tmp_path / "adapter", peft=True)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tmp_path / "hf") and config["r"] == 4
+    theirs = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    want = transformers_logits(theirs, TOKENS)
+    with theirs.disable_adapter():
+        assert np.abs(want - transformers_logits(theirs, TOKENS)).max() > 0.1  # the adapter applies
+    np.testing.assert_allclose(unmerged_logits(cfg, params, TOKENS), want, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,21 @@
+"""The fine-tuning learning check (scripts/sft_learning_check.py, one device): a model that copies
+word lists and cannot reverse them learns to reverse lists it never saw, in full and with LoRA, and
+an instruction worded otherwise changes neither the tokens it learns from nor what it learns."""
+
+import json
+import sys
+
+from support.runs import ROOT, run
+
+ACCURACY = 0.9  # exact match on the 120 held-out lists; the check reaches 1.00 for each (docs/fine-tuning.md)
+
+
+def test_fine_tuning_learns_to_reverse_held_out_lists_full_and_lora(tmp_path):
+    proc = run([sys.executable, str(ROOT / "scripts" / "sft_learning_check.py"), "--workdir", str(tmp_path)], devices=1)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["base copies"] >= ACCURACY  # knows the words and the format
+    assert result["base reverses"] == 0.0  # and cannot do the task
+    for name in ("full", "lora", "reworded"):
+        assert result[f"{name} reverses"] >= ACCURACY, result
+    # Loss on completions only: the reworded prompts are longer, the learned tokens the same.
+    assert result["full learned tokens"] == result["reworded learned tokens"] == 2400  # 600 × (3 words + eos)

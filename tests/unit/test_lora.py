@@ -1,0 +1,130 @@
+"""LoRA: adapters that start as no change, fold into their weights exactly, train alone (base weights
+bit-identical, optimizer state for adapters only) on every layout as on one device, and restore from
+a checkpoint onto another layout."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from support.runs import small_config
+
+from jaxllm import plan
+from jaxllm.checkpoint import Checkpointer, load_params
+from jaxllm.checkpoint.layout import to_canonical
+from jaxllm.config import LoraConfig
+from jaxllm.model import Model
+from jaxllm.model.lora import adapter_mask, combine, merge_adapters, partition
+from jaxllm.model.params import count
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.train.run import batch_sharding, build_run
+from jaxllm.train.step import compile_train_step, init_state
+
+LORA = dict(rank=4, alpha=8.0, targets="q,v,o,gate,down")
+
+
+def _cfg(layout=None, **lora):
+    return small_config().updated(model=dict(lora=LORA | lora), parallel=layout or {})
+
+
+def _perturbed(params: dict, specs: dict) -> dict:
+    """`params` with random adapters (a fresh b is zero, which would hide a wrong a·b)."""
+    adapters, base = partition(params, adapter_mask(specs))
+    keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(adapters))))
+    noisy = jax.tree.map(lambda a: a + 0.1 * jax.random.normal(next(keys), a.shape, a.dtype), adapters)
+    return combine(base, noisy)
+
+
+def test_fresh_adapters_change_nothing_and_fold_exactly():
+    cfg = _cfg()
+    model, plain = Model(cfg.model), Model(cfg.model.replace(lora=LoraConfig()))
+    params = model.init(0)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 12)))
+    adapters, base = partition(params, adapter_mask(model.specs))
+    # The adapters sit beside their weights; the base params are exactly the plain model's.
+    chex.assert_trees_all_equal(base, plain.init(0))
+    assert set(adapters["groups"]["qkv"]) == {"q_lora", "v_lora"}
+    assert set(adapters["groups"]["layers"]["mlp"]) == {"gate_lora", "down_lora"}
+    np.testing.assert_array_equal(model.logits(params, tokens), plain.logits(base, tokens))
+
+    trained = _perturbed(params, model.specs)
+    adapted_logits = model.logits(trained, tokens)
+    assert np.abs(adapted_logits - plain.logits(base, tokens)).max() > 1e-2  # the adapters do something
+    merged, merged_model = merge_adapters(trained, cfg.model)
+    assert merged_model.lora.rank == 0
+    np.testing.assert_allclose(plain.logits(merged, tokens), adapted_logits, rtol=1e-5, atol=1e-5)
+
+
+def _batch(cfg):
+    w = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len + 1))
+    return {"inputs": w[:, :-1].astype(np.int32), "targets": w[:, 1:].astype(np.int32)}
+
+
+def _train(layout: dict, steps: int = 3, workdir=None):
+    cfg = _cfg(layout)
+    devices = jax.devices() if layout else jax.devices()[:1]
+    mesh = make_mesh(cfg.parallel, devices)
+    with jax.set_mesh(mesh):
+        run = build_run(cfg, mesh)
+        state = init_state(run)
+        init = jax.device_get(state["params"])
+        step, batch = compile_train_step(run), jax.device_put(_batch(cfg), batch_sharding(mesh))
+        losses = []
+        for _ in range(steps):
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+        if workdir is not None:
+            saver = Checkpointer(workdir, cfg, mesh, run.canonical, run.shardings)
+            saver.save(steps, state, {})
+            saver.wait()
+            saver.close()
+        return dict(init=init, losses=losses, state=jax.device_get(state), run=run)
+
+
+@pytest.fixture(scope="module")
+def single():
+    return _train({})
+
+
+def test_only_adapters_train_and_base_weights_stay_bit_identical(single):
+    specs = single["run"].model.specs
+    adapters, base = partition(single["state"]["params"], adapter_mask(specs))
+    init_adapters, init_base = partition(single["init"], adapter_mask(specs))
+    chex.assert_trees_all_equal(base, init_base)
+    assert single["losses"][-1] < single["losses"][0]  # the same batch each step: the adapters learn it
+    pairs = zip(jax.tree.leaves(adapters), jax.tree.leaves(init_adapters), strict=True)
+    assert all(np.abs(a - b).max() > 0 for a, b in pairs)
+    # Adam's moments exist for the adapters alone.
+    moments = single["state"]["opt_state"][1][0].mu
+    assert jax.tree.structure(moments) == jax.tree.structure(adapters)
+
+
+def test_lora_on_tensor_stage_fsdp_matches_one_device(single, tmp_path):
+    layout = dict(data=1, fsdp=2, stage=2, tensor=2, microbatches=2)
+    got = _train(layout, workdir=tmp_path)
+    np.testing.assert_allclose(got["losses"], single["losses"], rtol=1e-5)
+    mask = adapter_mask(single["run"].model.specs)
+    ours = partition(to_canonical(got["state"]["params"], got["run"].schedule), mask)
+    theirs = partition(single["state"]["params"], mask)
+    chex.assert_trees_all_close(ours[0], theirs[0], rtol=1e-4, atol=1e-6)
+    chex.assert_trees_all_equal(ours[1]["embed"], theirs[1]["embed"])
+
+    # The checkpoint (saved from the 8-device pipeline) restores onto one device, adapters folded
+    # into their weights, as the one-device run's params folded.
+    cfg, params, step = load_params(tmp_path)
+    assert step == 3 and cfg.model.lora.rank == 0
+    want, _ = merge_adapters(single["state"]["params"], single["run"].cfg.model)
+    chex.assert_trees_all_close(jax.device_get(params), want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_planner_counts_the_adapters_and_their_optimizer_state_alone(activation):
+    cfg = _cfg(targets="q,k,v,o,gate,up,down").updated(model=dict(mlp_activation=activation))
+    specs = Model(cfg.model).specs
+    adapters = partition(specs, adapter_mask(specs))[0]
+    assert plan.param_counts(cfg.model)["total"] == count(specs)
+    assert plan.param_counts(cfg.model)["LoRA adapters"] == count(adapters)
+    planned, full = plan.memory(cfg), plan.memory(cfg.updated(model=dict(lora=dict(rank=0))))
+    assert planned["optimizer state (Adam m, v)"] == 2 * 4 * count(adapters)  # fp32 m and v, one device
+    assert planned["params"] == full["params"] + 4 * count(adapters)
+    assert full["optimizer state (Adam m, v)"] == 2 * 4 * count(Model(cfg.model.replace(lora=LoraConfig())).specs)
