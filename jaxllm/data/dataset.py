@@ -25,7 +25,11 @@ class Data:
 
 
 def _inputs(data: DataConfig) -> list[str]:
-    return [p.strip() for p in data.inputs.split(",") if p.strip()]
+    patterns = [p.strip() for p in data.inputs.split(",") if p.strip()]
+    if not patterns:
+        raise ConfigError(f"data.inputs is empty: name the {data.format} data to train on, e.g. "
+                          "--config.data.inputs='train.jsonl' (globs, comma-separated)")  # fmt: skip
+    return patterns
 
 
 def _texts(data: DataConfig):

@@ -70,7 +70,20 @@ def memory_report(cfg: RunConfig, accelerator: Accelerator, headroom: float) -> 
         f"  {verdict} one {accelerator.label} ({accelerator.memory / GiB:.1f} GiB less {headroom:.0%} "
         f"headroom = {budget / GiB:.1f} GiB): {planned['total'] / accelerator.memory:.0%} of it"
     )
+    if cfg.model.lora.rank or cfg.data.format != "text":  # a fine-tuning: the other method beside it
+        other, name = _other_fine_tuning(cfg)
+        lines.append(f"  {name}: {memory(other)['total'] / GiB:.2f} GiB")
     return lines
+
+
+def _other_fine_tuning(cfg: RunConfig) -> tuple[RunConfig, str]:
+    """Full fine-tuning (fp32 master weights) for a LoRA config; LoRA (rank 16, every projection,
+    the base in bf16) for a full one."""
+    if cfg.model.lora.rank:
+        full = cfg.updated(model=dict(lora=dict(rank=0), param_dtype="float32"))
+        return full, "full fine-tuning instead, fp32 weights"
+    lora = dict(rank=16, alpha=32.0, targets="q,k,v,o,gate,up,down")
+    return cfg.updated(model=dict(lora=lora, param_dtype="bfloat16")), "LoRA instead, rank 16, base frozen in bf16"
 
 
 def activation_report(cfg: RunConfig) -> list[str]:

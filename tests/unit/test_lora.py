@@ -128,3 +128,20 @@ def test_planner_counts_the_adapters_and_their_optimizer_state_alone(activation)
     assert planned["optimizer state (Adam m, v)"] == 2 * 4 * count(adapters)  # fp32 m and v, one device
     assert planned["params"] == full["params"] + 4 * count(adapters)
     assert full["optimizer state (Adam m, v)"] == 2 * 4 * count(Model(cfg.model.replace(lora=LoraConfig())).specs)
+
+
+def test_a_fine_tuning_plan_sets_the_other_method_beside_it():
+    from jaxllm.plan.hardware import ACCELERATORS
+    from jaxllm.plan.report import memory_report
+
+    full = _cfg(rank=0).updated(data=dict(format="chat"))
+    lora = full.updated(model=dict(lora=dict(rank=16, alpha=32.0, targets="q,k,v,o,gate,up,down"),
+                                   param_dtype="bfloat16"))  # fmt: skip
+    device = ACCELERATORS["a100-80gb"]
+    assert f"LoRA instead, rank 16, base frozen in bf16: {plan.memory(lora)['total'] / 2**30:.2f} GiB" in (
+        memory_report(full, device, 0.1)[-1]
+    )
+    assert f"full fine-tuning instead, fp32 weights: {plan.memory(full)['total'] / 2**30:.2f} GiB" in (
+        memory_report(lora, device, 0.1)[-1]
+    )
+    assert plan.memory(lora)["total"] < plan.memory(full)["total"]
