@@ -13,10 +13,14 @@ from jaxllm import plan
 from jaxllm.checkpoint import Checkpointer, load_params
 from jaxllm.checkpoint.layout import to_canonical
 from jaxllm.config import LoraConfig
+from jaxllm.data.tokenizer import get_tokenizer, save_tokenizer, train_bpe
 from jaxllm.model import Model
+from jaxllm.model.generate import generate
 from jaxllm.model.lora import adapter_mask, combine, merge_adapters, partition
 from jaxllm.model.params import count
 from jaxllm.parallel.mesh import make_mesh
+from jaxllm.serve.generation import Request
+from jaxllm.serve.load import load_engine
 from jaxllm.train.run import batch_sharding, build_run
 from jaxllm.train.step import compile_train_step, init_state
 
@@ -24,7 +28,7 @@ LORA = dict(rank=4, alpha=8.0, targets="q,v,o,gate,down")
 
 
 def _cfg(layout=None, **lora):
-    return small_config().updated(model=dict(lora=LORA | lora), parallel=layout or {})
+    return small_config(vocab_size=300).updated(model=dict(lora=LORA | lora), parallel=layout or {})
 
 
 def _perturbed(params: dict, specs: dict) -> dict:
@@ -106,15 +110,24 @@ def test_lora_on_tensor_stage_fsdp_matches_one_device(single, tmp_path):
     mask = adapter_mask(single["run"].model.specs)
     ours = partition(to_canonical(got["state"]["params"], got["run"].schedule), mask)
     theirs = partition(single["state"]["params"], mask)
-    chex.assert_trees_all_close(ours[0], theirs[0], rtol=1e-4, atol=1e-6)
+    # Adam divides by sqrt(v): fp32 reduction-order noise moves a near-zero gradient's update a little
+    chex.assert_trees_all_close(ours[0], theirs[0], rtol=1e-3, atol=1e-5)
     chex.assert_trees_all_equal(ours[1]["embed"], theirs[1]["embed"])
 
     # The checkpoint (saved from the 8-device pipeline) restores onto one device, adapters folded
     # into their weights, as the one-device run's params folded.
     cfg, params, step = load_params(tmp_path)
     assert step == 3 and cfg.model.lora.rank == 0
-    want, _ = merge_adapters(single["state"]["params"], single["run"].cfg.model)
-    chex.assert_trees_all_close(jax.device_get(params), want, rtol=1e-4, atol=1e-6)
+    want, plain = merge_adapters(single["state"]["params"], single["run"].cfg.model)
+    chex.assert_trees_all_close(jax.device_get(params), want, rtol=1e-3, atol=1e-5)
+
+    # The server serves the run with its adapters folded in: its greedy tokens are the merged model's.
+    tokenizer = get_tokenizer(train_bpe(iter(["a LoRA run, served"] * 4), 300, tmp_path / "bpe"))
+    save_tokenizer(tokenizer, tmp_path / "tokenizer")
+    engine = load_engine(tmp_path, {"serve.dtype": "float32", "serve.max_len": 32, "serve.slots": 2})
+    prompt = [5, 17, 42, 7]
+    (served,) = engine.generate([Request(prompt, max_tokens=8, temperature=0, ignore_eos=True)])
+    assert served.choices()[0].tokens == generate(want, Model(plain), prompt, 12, vocab_size=tokenizer.vocab_size)[4:]
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])

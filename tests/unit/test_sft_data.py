@@ -360,3 +360,15 @@ def test_a_dataset_saved_by_datasets_prepares_as_jsonl_does(bpe, tmp_path):
         data = np.fromfile(tmp_path / "out" / f"train-00000{suffix}", dtype)
         half = int(lens[: len(CHATS)].sum())
         np.testing.assert_array_equal(data[:half], data[half:])
+
+
+def test_a_config_that_names_no_inputs_stops_before_any_work(tmp_path):
+    """configs/llama_sft.py leaves data.inputs to the user: a run without them says so."""
+    from jaxllm.config import ConfigError, load_config
+    from jaxllm.data.dataset import prepare_data
+
+    cfg = load_config("configs/llama_sft.py", {"data.dir": str(tmp_path / "data")})
+    assert cfg.data.inputs == "" and cfg.data.format == "chat"
+    with pytest.raises(ConfigError, match=r"data.inputs is empty: name the chat data to train on"):
+        prepare_data(cfg.data, cfg.model)
+    assert not (tmp_path / "data").exists()
