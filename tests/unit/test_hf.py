@@ -17,6 +17,7 @@ import pytest
 import safetensors.numpy
 import tokenizers
 from flax import nnx
+from support.hf import hf_extra
 from support.numpy_llama import greedy, logits
 from support.runs import ROOT, device_env, small_config
 from support.serving import serve_process
@@ -482,10 +483,7 @@ except ImportError:
     torch = transformers = None
 
 
-def needs_hf(test):
-    """Marked `hf` (CI installs the extra and runs `pytest -m hf`); skipped where it is missing."""
-    reason = "needs the hf extra (torch, transformers): pip install -e '.[hf]'"
-    return pytest.mark.hf(pytest.mark.skipif(torch is None, reason=reason)(test))
+needs_hf = hf_extra("torch", "transformers", "peft")
 
 
 def transformers_llama(directory: pathlib.Path, dtype="float32", max_shard_size="50GB", **config):

@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import tokenizers
+from support.hf import hf_extra
 from support.runs import small_config
 
 from jaxllm.data.chat import DEFAULT, ChatTemplate, ChatTemplateError, special_tokens
@@ -325,10 +326,7 @@ except ImportError:
     datasets = transformers = None
 
 
-def needs_hf(test):
-    """Marked `hf` (CI installs the extra and runs `pytest -m hf`); skipped where it is missing."""
-    reason = "needs the hf extra (transformers, datasets): pip install -e '.[hf]'"
-    return pytest.mark.hf(pytest.mark.skipif(transformers is None, reason=reason)(test))
+needs_hf = hf_extra("transformers", "datasets")
 
 
 @needs_hf
