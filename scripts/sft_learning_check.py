@@ -20,6 +20,7 @@ import itertools
 import json
 import pathlib
 import random
+import sys
 import tempfile
 
 import jax
@@ -98,6 +99,13 @@ def learned_tokens(data_dir: pathlib.Path) -> int:
     return sum(int(np.fromfile(tokens / f.replace(".bin", ".mask"), np.uint8).sum()) for f in shards)
 
 
+def trained(cfg: RunConfig, workdir: pathlib.Path) -> None:
+    """Trains `cfg` to its last step; a run stopped early (SIGTERM saves and stops) ends the check."""
+    train(cfg, workdir, progress=False)
+    if (step := load_params(workdir)[2]) != cfg.train.steps:  # the checkpoint it saved as it stopped
+        sys.exit(f"{workdir} stopped at step {step} of {cfg.train.steps}; its accuracy would mean nothing")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default=None, help="where the runs go (default: a temporary directory)")
@@ -105,14 +113,14 @@ def main() -> None:
     root = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="sft-check-"))
     root.mkdir(parents=True, exist_ok=True)
     held_out = word_lists()[1]
-    train(config(root, "base", *BASE), root / "base", progress=False)
+    trained(config(root, "base", *BASE), root / "base")
     result = {
         "devices": jax.device_count(),
         "base copies": accuracy(root / "base", "copy", held_out),
         "base reverses": accuracy(root / "base", "reverse", held_out),
     }
     for name, (task, instruction, *rest) in FINE_TUNINGS.items():
-        train(config(root, name, task, instruction, *rest), root / name, progress=False)
+        trained(config(root, name, task, instruction, *rest), root / name)
         result[f"{name} reverses"] = accuracy(root / name, task, held_out, instruction)
         result[f"{name} learned tokens"] = learned_tokens(root / f"data-{name}")
     print(json.dumps(result))
