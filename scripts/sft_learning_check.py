@@ -114,8 +114,12 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     held_out = word_lists()[1]
     trained(config(root, "base", *BASE), root / "base")
+    tokenizer = load_saved_tokenizer(root / "base" / "tokenizer")
+    completions = [example("reverse", w)["completion"] for w in word_lists()[0]]
     result = {
         "devices": jax.device_count(),
+        # what a loss on completions alone learns from: each completion's tokens and its end-of-text
+        "completion tokens": sum(len(ids) + 1 for ids in tokenizer.encode_batch(completions)),
         "base copies": accuracy(root / "base", "copy", held_out),
         "base reverses": accuracy(root / "base", "reverse", held_out),
     }

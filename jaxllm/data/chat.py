@@ -85,7 +85,7 @@ class ChatTemplate:
         try:
             self.template = env.from_string(source)
             self.tokens = tokens or {}
-            self._render([{"role": "user", "content": "Hello"}])
+            self.render([{"role": "user", "content": "Hello"}])
         except (jinja2.TemplateError, ChatTemplateError) as e:
             raise ConfigError(f"{origin} does not render a one-message chat: {e}; fix the template") from e
 
@@ -99,7 +99,8 @@ class ChatTemplate:
             raise ConfigError(f"{flag} {path}: no such file; give a Jinja template")
         return cls(file.read_text(), tokens, f"{flag} {path}")
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> str:
+        """The text for `messages`; `ChatTemplateError` if the template refuses them."""
         try:
             return self.template.render(
                 messages=messages,
@@ -113,19 +114,15 @@ class ChatTemplate:
         except Exception as e:  # a template's own error, whatever its kind, is about these messages
             raise ChatTemplateError(f"the chat template cannot render these messages: {e}") from e
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> str:
-        """The text for `messages`; `ChatTemplateError` if the template refuses them."""
-        return self._render(messages, add_generation_prompt, tools)
-
     def assistant_spans(self, messages: list[dict], tools: list | None = None) -> tuple[str, list[tuple[int, int]]]:
         """The whole conversation's text and the [start, end) characters of each assistant turn (its
         content and end-of-turn): what rendering through that turn adds to the prompt before it."""
-        text = self._render(messages, False, tools)
+        text = self.render(messages, False, tools)
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            before, through = self._render(messages[:i], True, tools), self._render(messages[: i + 1], False, tools)
+            before, through = self.render(messages[:i], True, tools), self.render(messages[: i + 1], False, tools)
             if not (through.startswith(before) and text.startswith(through)):
                 raise ChatTemplateError(
                     f"{self.origin} does not render conversations incrementally (the text up to assistant "

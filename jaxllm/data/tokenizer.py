@@ -50,9 +50,13 @@ class Tokenizer(Protocol):
 
     def decode(self, ids) -> str: ...
 
-    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    def encode_special(self, text: str) -> list[int]:
         """Ids of a rendered chat, its special tokens' text parsed as those tokens (as transformers
-        tokenizes a chat), and each token's [start, end) characters in `text`."""
+        tokenizes a chat)."""
+        ...
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """`encode_special`'s ids, and each token's [start, end) characters in `text`."""
         ...
 
     def save(self, directory: pathlib.Path) -> str:
@@ -122,8 +126,11 @@ class GPT2Tokenizer:
     def decode(self, ids) -> str:
         return self._enc.decode([int(i) for i in ids])
 
+    def encode_special(self, text: str) -> list[int]:
+        return self._enc.encode(text, allowed_special="all")
+
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        ids = self._enc.encode(text, allowed_special="all")
+        ids = self.encode_special(text)
         lengths = [len(self._enc.decode_single_token_bytes(i)) for i in ids]
         return ids, _char_spans(text, lengths)
 
@@ -212,6 +219,9 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def encode_special(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids  # added tokens in the text always parse
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         encoding = self._tok.encode(text, add_special_tokens=False)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.config import LoraConfig, ModelConfig
-from jaxllm.model.params import Params, declare, is_spec
+from jaxllm.model.params import Params, declare, holds, is_spec
 
 SUFFIX = "_lora"
 
@@ -78,7 +78,7 @@ def _low_rank(x: jax.Array, w: Adapted, spec: str, scale: float) -> jax.Array:
     kept = "".join(c for c in x_dims if c not in w_dims)
     w_out = "".join(c for c in w_dims if c not in x_dims)
     contracted = w_dims[: len(w_dims) - len(w_out)]
-    a, b = (getattr(m, "values", m).astype(x.dtype) for m in (w.a, w.b))  # a pipeline's `Copy` or an array
+    a, b = w.a.astype(x.dtype), w.b.astype(x.dtype)
     down = jnp.einsum(f"{x_dims},{contracted}z->{kept}z", x, a)
     return (jnp.einsum(f"{kept}z,z{w_out}->{out_dims}", down, b) * scale).astype(x.dtype)
 
@@ -121,12 +121,7 @@ def adapter_path(path: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def has_adapter(specs: dict, path: tuple[str, ...]) -> bool:
-    node = specs
-    for key in adapter_path(path):
-        if not isinstance(node, dict) or key not in node:
-            return False
-        node = node[key]
-    return True
+    return holds(specs, adapter_path(path))
 
 
 def merge_adapters(params: Params, model: ModelConfig) -> tuple[Params, ModelConfig]:

@@ -108,6 +108,15 @@ def at_path(tree: dict, path: tuple[str, ...]) -> Any:
     return tree
 
 
+def holds(tree: dict, path: tuple[str, ...]) -> bool:
+    """Whether a nested dict has something at `path`."""
+    try:
+        at_path(tree, path)
+    except (KeyError, TypeError):
+        return False
+    return True
+
+
 def is_spec(x: Any) -> bool:
     return isinstance(x, ParamSpec)
 

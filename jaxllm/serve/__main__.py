@@ -15,12 +15,11 @@ from absl import logging
 from jaxllm import cli
 from jaxllm.checkpoint.hf.config import require_hf_dir
 from jaxllm.config import ConfigError, RunConfig, step_range
-from jaxllm.data.chat import special_tokens
+from jaxllm.data.chat import ChatTemplate, special_tokens
 from jaxllm.data.tokenizer import prompt_ids
 from jaxllm.errors import exit_on_error
 from jaxllm.profile import StepProfiler
 from jaxllm.serve.api import create_app
-from jaxllm.serve.chat import ChatTemplate
 from jaxllm.serve.generation import Limits, Request
 from jaxllm.serve.guards import DenyList, load_api_keys
 from jaxllm.serve.load import serving_setup, start_engine

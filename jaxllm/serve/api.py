@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 import jaxllm
+from jaxllm.data.chat import ChatTemplateError
 from jaxllm.serve import shapes
 from jaxllm.serve.api_error import ApiError
 from jaxllm.serve.generation import RequestError
@@ -151,12 +152,10 @@ def create_app(server: Server) -> FastAPI:
         body = await server.parse(http, server.chat_body)
         engine = server.ready()
         messages = [{"role": m.role, "content": m.text} for m in body.messages]
-        try:
-            # special tokens in the rendered text are parsed as such, as the chat data format does in training
-            rendered = server.chat.render
-            prompt = await run_in_threadpool(lambda: server.tokenizer.encode_with_offsets(rendered(messages))[0])
-        except RequestError as e:
-            raise ApiError.of(e) from e
+        try:  # rendered and tokenized as the chat data format is in training
+            prompt = await run_in_threadpool(lambda: server.tokenizer.encode_special(server.chat.render(messages)))
+        except ChatTemplateError as e:  # a template's refusal is about these messages
+            raise ApiError.of(RequestError(str(e), "invalid_messages", "messages")) from e
         limit = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         request = body.request(prompt, _max_tokens(limit, engine.max_len, prompt), logprobs)

@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator
 from fastapi import Request as HttpRequest
 from pydantic import BaseModel, ValidationError
 
+from jaxllm.data.chat import ChatTemplate
 from jaxllm.data.tokenizer import Tokenizer
 from jaxllm.serve import protocol
 from jaxllm.serve.aio import chain
 from jaxllm.serve.api_error import FAILURES, ApiError
-from jaxllm.serve.chat import ChatTemplate
 from jaxllm.serve.engine import Engine
 from jaxllm.serve.generation import Delta, Generation, Limits, Request, RequestError, RequestFailed, Unavailable
 from jaxllm.serve.guards import DenyList, RateLimiter

@@ -17,5 +17,5 @@ def test_fine_tuning_learns_to_reverse_held_out_lists_full_and_lora(tmp_path):
     assert result["base reverses"] == 0.0  # and cannot do the task
     for name in ("full", "lora", "reworded"):
         assert result[f"{name} reverses"] >= ACCURACY, result
-    # Loss on completions only: the reworded prompts are longer, the learned tokens the same.
-    assert result["full learned tokens"] == result["reworded learned tokens"] == 2400  # 600 × (3 words + eos)
+    # Loss on completions only: the reworded prompts are longer, the learned tokens the completions' alone.
+    assert result["full learned tokens"] == result["reworded learned tokens"] == result["completion tokens"]

@@ -13,8 +13,8 @@ import time
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from jaxllm.data.chat import ChatTemplate
 from jaxllm.serve.api import create_app
-from jaxllm.serve.chat import ChatTemplate
 from jaxllm.serve.guards import DenyList
 from jaxllm.serve.metrics import Metrics
 from jaxllm.serve.server import Server

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from jaxllm.config import ConfigError
-from jaxllm.serve.chat import ChatTemplate
-from jaxllm.serve.generation import RequestError
+from jaxllm.data.chat import ChatTemplate, ChatTemplateError
 from jaxllm.serve.guards import PPL_WINDOW, DenyList, RateLimiter, load_api_keys, prompt_perplexity
 
 
@@ -70,11 +69,11 @@ def test_chat_template_file_errors(tmp_path):
                         "{{ raise_exception('no tools') }}{% endif %}{% endfor %}")  # fmt: skip
     chat = ChatTemplate.chosen(str(template), None, {"bos_token": "<s>", "eos_token": "</s>"})
     assert chat.render([{"role": "user", "content": "x"}]) == "<s>x"
-    with pytest.raises(RequestError, match="no tools"):
+    with pytest.raises(ChatTemplateError, match="no tools"):
         chat.render([{"role": "tool", "content": "x"}])
     halving = "{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content / 2 }}{% endif %}{% endfor %}"
     template.write_text(halving)  # renders a user's message, fails on an assistant's
-    with pytest.raises(RequestError, match="the chat template cannot render these messages: unsupported operand"):
+    with pytest.raises(ChatTemplateError, match="the chat template cannot render these messages: unsupported operand"):
         ChatTemplate.chosen(str(template), None, {}).render([{"role": "assistant", "content": "x"}])
     template.write_text("{% for m in messages %}{{ m.content / 2 }}{% endfor %}")
     with pytest.raises(ConfigError, match=f"--chat-template {template} does not render a one-message chat"):

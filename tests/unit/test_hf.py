@@ -27,13 +27,13 @@ from jaxllm.checkpoint.hf.config import ConversionError, check_llama, fine_tunin
 from jaxllm.checkpoint.layout import to_canonical
 from jaxllm.config import ParallelConfig, RunConfig, validate
 from jaxllm.convert import from_hf, to_hf
+from jaxllm.data.chat import ChatTemplate
 from jaxllm.data.tokenizer import TokenizerError, get_tokenizer, save_tokenizer, train_bpe
 from jaxllm.model.decoder import Decoder, Model
 from jaxllm.model.generate import generate
 from jaxllm.model.lora import adapter_mask, combine, partition
 from jaxllm.model.params import params_of
 from jaxllm.parallel.mesh import make_mesh
-from jaxllm.serve.chat import ChatTemplate
 from jaxllm.train.dry_run import lower_abstract_step
 from jaxllm.train.run import build_run
 from jaxllm.train.step import compile_eval_step, init_state

@@ -14,7 +14,7 @@ import tokenizers
 from support.hf import hf_extra
 from support.runs import small_config
 
-from jaxllm.data.chat import DEFAULT, ChatTemplate, ChatTemplateError, special_tokens
+from jaxllm.data.chat import ChatTemplate, ChatTemplateError, special_tokens
 from jaxllm.data.corpus import CorpusError, read_records
 from jaxllm.data.examples import FIELDS, check_chat, encode_chat
 from jaxllm.data.loader import DataError, ExampleWindows, eval_batches, train_batches
@@ -106,7 +106,7 @@ def test_a_models_own_template_masks_what_tokenizing_the_turns_apart_gives(llama
     """Special tokens in the rendering are parsed as tokens; the mask is 1 on each assistant
     content and its <|eot_id|>: the reference tokenizes every piece on its own."""
     tokenizer = get_tokenizer(llama3)
-    special = {t: tokenizer.encode_with_offsets(t)[0][0] for t in LLAMA3_SPECIALS}
+    special = {t: tokenizer.encode_special(t)[0] for t in LLAMA3_SPECIALS}
     assert len(set(special.values())) == 4 and tokenizer.eos_id == special["<|eot_id|>"]
     template = ChatTemplate.chosen(None, tokenizer.chat_template, special_tokens(tokenizer))
     for record in CHATS:
@@ -120,7 +120,7 @@ def test_a_models_own_template_masks_what_tokenizing_the_turns_apart_gives(llama
         assert ids == want_ids and mask.tolist() == want_mask
         # the prompt for the first reply, as serving tokenizes it: the same ids up to the reply's text
         first = next(i for i, m in enumerate(record["messages"]) if m["role"] == "assistant")
-        prompt = tokenizer.encode_with_offsets(template.render(record["messages"][:first]))[0]
+        prompt = tokenizer.encode_special(template.render(record["messages"][:first]))
         reply = [i for i, t in enumerate(want_ids) if t == special["<|end_header_id|>"]][first] + 1  # its header
         assert prompt[:reply] == want_ids[:reply] and tokenizer.decode(prompt[reply:]) == "\n\n"
 
@@ -134,13 +134,11 @@ def test_a_template_that_does_not_only_append_is_refused(bpe):
         encode_chat(bpe, template, "x", CHATS[0])
 
 
-def test_default_template_is_the_one_serving_uses():
-    from jaxllm.serve.chat import BUILTIN
-    from jaxllm.serve.chat import ChatTemplate as Served
-
-    assert BUILTIN == DEFAULT
+def test_a_model_without_a_template_gets_the_default_transcript():
+    """What serving and the chat data format choose for a tokenizer with no template of its own."""
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
-    served = Served(tokens={"eos_token": EOS}).render(messages + [{"role": "user", "content": "Bye"}])
+    chosen = ChatTemplate.chosen(None, None, {"eos_token": EOS})
+    served = chosen.render(messages + [{"role": "user", "content": "Bye"}])
     assert served == f"user: Hi\nassistant: Hello{EOS}user: Bye\nassistant:"
 
 

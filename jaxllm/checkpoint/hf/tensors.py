@@ -16,7 +16,7 @@ import numpy as np
 from jaxllm.checkpoint.hf.config import ConversionError
 from jaxllm.checkpoint.hf.files import WeightFiles, write_weights
 from jaxllm.config import ModelConfig
-from jaxllm.model.params import at_path
+from jaxllm.model.params import at_path, holds
 
 LAYER = "model.layers.{layer}."
 # Old checkpoints store RoPE's frequencies, which follow from config.json.
@@ -92,14 +92,6 @@ def _check_names(files: WeightFiles, model: ModelConfig) -> None:
                               "directory whose config.json and weights belong together")  # fmt: skip
 
 
-def _holds(tree: dict, path: tuple[str, ...]) -> bool:
-    try:
-        at_path(tree, path)
-    except KeyError:
-        return False
-    return True
-
-
 def _put(tree: dict, path: tuple[str, ...], value) -> None:
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
@@ -121,7 +113,7 @@ def read_params(files: WeightFiles, model: ModelConfig, target: dict) -> dict:
     parameter's shard on its way to its device, and one tensor."""
     _check_names(files, model)
     share, params = model.qkv_share_every, {}
-    wanted = [rule for rule in rules(model) if _holds(target, rule.ours)]  # all, or a part (load_params's only=)
+    wanted = [rule for rule in rules(model) if holds(target, rule.ours)]  # all, or a part (load_params's only=)
     # Largest first: their copies on the way to the device come while little else is held.
     for rule in sorted(wanted, key=lambda r: -math.prod(at_path(target, r.ours).shape)):
         want = at_path(target, rule.ours)
