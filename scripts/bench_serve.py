@@ -169,8 +169,8 @@ async def http_server(engine):
     """The HTTP app on `engine` (uvicorn on 127.0.0.1), the engine stepping in its own thread."""
     import uvicorn
 
+    from jaxllm.data.chat import ChatTemplate
     from jaxllm.serve.api import create_app
-    from jaxllm.serve.chat import ChatTemplate
     from jaxllm.serve.guards import DenyList
     from jaxllm.serve.metrics import Metrics
     from jaxllm.serve.server import Server
