@@ -98,7 +98,7 @@ def serve_row(workdir, overrides: dict, batches, prompts) -> tuple:
     _, params, _ = load_params(workdir, dtype=serving.settings.dtype, quantize=serving.model.quantize)
     ppl = perplexity(params, serving.model, batches, serving.settings.kv_dtype)
     engine = load_engine(workdir, {**SERVE, **overrides})
-    widest = engine.decode_steps[max(engine.decode_steps)]  # the most rows over the widest table
+    widest = engine.device.decode_steps[max(engine.device.decode_steps)]  # the most rows over the widest table
     return ppl, *footprint(widest), decode_rate(engine, prompts)
 
 

@@ -7,7 +7,7 @@ random weights (fp32), serve.max_len 4096:
    - Hugging Face transformers (`LlamaForCausalLM.generate`, greedy, KV cache), where installed
      (pip install -e '.[hf]');
    - the memory-bandwidth limit: (weight bytes + live cache bytes) per token over the bandwidth
-     a jitted read of 512 MB reaches here, measured in the engine's process before it starts.
+     a jitted read of 256 MB reaches here, measured in the engine's process as it starts.
    Decode rate: the extra time of `new` tokens over 1 token, per token after the first.
 2. A serving workload like vLLM's benchmark_serving, through HTTP (uvicorn on 127.0.0.1, streamed
    completions): a fixed seeded set of requests with Poisson arrivals at each of `--rates`,
@@ -84,16 +84,6 @@ def engine_rates(engine, prompts: np.ndarray, new: int, repeats: int, busy=(1, 8
     return out
 
 
-def copy_bandwidth() -> float:
-    """Bytes/s a jitted read of 512 MB streams here."""
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.ones(128 << 20, jnp.float32)
-    read = jax.jit(lambda x: x.sum())
-    return x.nbytes / seconds(lambda: jax.block_until_ready(read(x)), 5)
-
-
 def matmul_rows(hidden: int, vocab: int) -> dict[str, float]:
     """Seconds of a jitted [rows, hidden] × [hidden, 2 × vocab] fp32 product, at 1 and 8 rows:
     what reading the same weights for 8 sequences instead of 1 costs XLA here."""
@@ -117,15 +107,25 @@ def build_engine(args, settings: dict):
 
     from jaxllm.data.tokenizer import get_tokenizer
     from jaxllm.parallel.mesh import make_mesh
-    from jaxllm.serve.engine import Engine
     from jaxllm.serve.settings import ServeConfig, serving_config
     from jaxllm.train.step import init_params
+
+    try:
+        from jaxllm.serve.load import build_engine as engine_of  # the engine over a device runner
+    except ImportError:
+        from jaxllm.serve.engine import Engine as engine_of  # a baseline from before the split
 
     tokenizer = get_tokenizer("gpt2")
     cfg = model_config(args.hidden, args.layers, tokenizer.vocab_size)
     known = {k: v for k, v in settings.items() if k in ServeConfig.__dataclass_fields__}  # a baseline lacks some
     serving = serving_config(cfg, ServeConfig(**known), 1)
-    return Engine(init_params(cfg), serving, tokenizer, make_mesh(serving.parallel, jax.devices()[:1])), cfg
+    return engine_of(init_params(cfg), serving, tokenizer, make_mesh(serving.parallel, jax.devices()[:1])), cfg
+
+
+def bandwidth(engine) -> float | None:
+    """Bytes/s of this machine's memory, as the engine's runner measured it before it started (a
+    baseline's engine has no runner, and only this engine's figure is used)."""
+    return engine.device.bandwidth if hasattr(engine, "device") else None
 
 
 def worker(args) -> dict:
@@ -137,7 +137,7 @@ def worker(args) -> dict:
     settings = dict(slots=SLOTS, max_len=MAX_LEN, max_prompt_tokens=2048, rate_per_s=1e9, burst=10**9, max_queue=512)
     start = time.perf_counter()
     engine, cfg = build_engine(args, settings)
-    out = {"startup_s": time.perf_counter() - start, "jax": jax.__version__, "bandwidth": copy_bandwidth(),
+    out = {"startup_s": time.perf_counter() - start, "jax": jax.__version__, "bandwidth": bandwidth(engine),
            "matmul": matmul_rows(args.hidden, engine.vocab_size)}  # fmt: skip
     rng = np.random.default_rng(0)
     for context in CONTEXTS:
@@ -179,7 +179,7 @@ async def http_server(engine):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = Server(engine.settings, engine.limits, "bench", engine.tokenizer, ChatTemplate(), DenyList([]),
-                    frozenset(), Metrics(engine.slots), engine)  # fmt: skip
+                    frozenset(), Metrics(engine.slots, "bench"), engine)  # fmt: skip
     http = uvicorn.Server(uvicorn.Config(create_app(server), "127.0.0.1", port, log_level="warning"))
     stop = threading.Event()
     threads = [threading.Thread(target=http.run), threading.Thread(target=engine.serve_forever, args=(stop,))]

@@ -57,6 +57,7 @@ from jaxllm.parallel.mesh import make_mesh
 from jaxllm.plan.estimate import estimate
 from jaxllm.plan.hardware import accelerator_of
 from jaxllm.serve.engine import Engine
+from jaxllm.serve.load import build_engine
 from jaxllm.serve.settings import ServeConfig, serving_config
 from jaxllm.train.metrics import memory_in_use, peak_flops
 from jaxllm.train.run import HOST
@@ -201,7 +202,8 @@ def engine(cfg, slots: int, max_len: int) -> Engine:
                            rate_per_s=1e9, burst=10**9)  # fmt: skip
     serving = serving_config(cfg, settings, 1, jax.default_backend())
     params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), init_params(cfg))
-    return Engine(params, serving, get_tokenizer(cfg.data.tokenizer), make_mesh(serving.parallel, jax.devices()[:1]))
+    mesh = make_mesh(serving.parallel, jax.devices()[:1])
+    return build_engine(params, serving, get_tokenizer(cfg.data.tokenizer), mesh)
 
 
 def decode(args) -> Iterator[Verdict]:

@@ -59,6 +59,10 @@ class Tokenizer(Protocol):
         """`encode_special`'s ids, and each token's [start, end) characters in `text`."""
         ...
 
+    def grammar_tokenizer(self):
+        """This tokenizer as llguidance's `LLTokenizer`, which structured outputs mask tokens with."""
+        ...
+
     def save(self, directory: pathlib.Path) -> str:
         """Writes what reloads this tokenizer into `directory`; returns what to pass `get_tokenizer`
         there ('gpt2', or the file's name)."""
@@ -133,6 +137,11 @@ class GPT2Tokenizer:
         ids = self.encode_special(text)
         lengths = [len(self._enc.decode_single_token_bytes(i)) for i in ids]
         return ids, _char_spans(text, lengths)
+
+    def grammar_tokenizer(self):
+        from llguidance.tiktoken import lltokenizer_from_encoding
+
+        return lltokenizer_from_encoding(self._enc, n_vocab=self.vocab_size, eos_token=sorted(self.stop_ids))
 
     def save(self, directory: pathlib.Path) -> str:
         return "gpt2"  # rebuilt from the verified package files
@@ -226,6 +235,11 @@ class HFTokenizer:
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         encoding = self._tok.encode(text, add_special_tokens=False)
         return encoding.ids, [tuple(o) for o in encoding.offsets]
+
+    def grammar_tokenizer(self):
+        from llguidance import LLTokenizer
+
+        return LLTokenizer(self._tok.to_str(), n_vocab=self.vocab_size, eos_token=sorted(self.stop_ids))
 
     def save(self, directory: pathlib.Path) -> str:
         source = pathlib.Path(self.name)

@@ -60,10 +60,24 @@ def first_argmax(logits: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(logits == top, index, logits.shape[-1]), axis=-1)
 
 
-def sample(logits: jax.Array, sampling: Sampling, token_index: jax.Array, vocab_size: int) -> jax.Array:
-    """[slots] int32 tokens from [slots, vocab] logits (any padding past `vocab_size` is never drawn).
-    Work no slot needs is skipped: the draw when all are greedy, the sort when none cuts top-k/p."""
-    logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits.astype(jnp.float32), -jnp.inf)
+def unpack_mask(bits: jax.Array, width: int) -> jax.Array:
+    """[rows, words] int32 bitmasks (token id i is bit i % 32 of word i // 32) → [rows, width] bool."""
+    flags = (bits[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    flags = flags.reshape(bits.shape[0], -1)[:, :width].astype(bool)
+    return jnp.pad(flags, ((0, 0), (0, width - flags.shape[1])))
+
+
+def sample(
+    logits: jax.Array, sampling: Sampling, token_index: jax.Array, vocab_size: int, mask: jax.Array | None = None
+) -> jax.Array:
+    """[slots] int32 tokens from [slots, vocab] logits (any padding past `vocab_size` is never
+    drawn), with `mask` [slots, words] a bitmask of the tokens each slot may draw (see
+    `unpack_mask`). Work no slot needs is skipped: the draw when all are greedy, the sort when
+    none cuts top-k/p."""
+    keep = jnp.arange(logits.shape[-1]) < vocab_size
+    if mask is not None:
+        keep = keep & unpack_mask(mask, logits.shape[-1])
+    logits = jnp.where(keep, logits.astype(jnp.float32), -jnp.inf)
     greedy = first_argmax(logits)
 
     def draw(cut: bool):

@@ -76,10 +76,11 @@ def complete_prompts(path: str, serving: Serving, tokenizer, args) -> None:
 def serve_http(path: str, serving: Serving, tokenizer, args) -> None:
     """Listens at once; loads and compiles in a thread that then steps the engine until shutdown."""
     s = serving.settings
+    name = s.model_name or pathlib.Path(path).absolute().name
     server = Server(
-        s, Limits.of(serving, tokenizer), s.model_name or pathlib.Path(path).absolute().name, tokenizer,
+        s, Limits.of(serving, tokenizer), name, tokenizer,
         ChatTemplate.chosen(args.chat_template, tokenizer.chat_template, special_tokens(tokenizer)),
-        DenyList.from_file(args.deny), load_api_keys(args.api_keys), Metrics(s.slots),
+        DenyList.from_file(args.deny), load_api_keys(args.api_keys), Metrics(s.slots, name),
     )  # fmt: skip
     try:
         listening = socket.create_server((s.host, s.port))

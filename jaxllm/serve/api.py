@@ -1,12 +1,14 @@
 """The HTTP API of `python -m jaxllm.serve`: OpenAI's completions and chat completions (streamed
-as server-sent events or whole), the model list, health, Prometheus metrics and an OpenAPI
-document that declares every request body, bound and answer.
+as server-sent events or whole), vLLM's /tokenize and /detokenize, the model list, health,
+Prometheus metrics and an OpenAPI document that declares every request body, bound and answer.
 
 Every request but /health and /metrics passes the guards in order: API key (401), the key's token
 bucket (429), body size (413), a body that arrives in time (408), JSON (400), fields the server
 cannot honour, then every field's type and bound (422), model (404), the engine's context limits
 (422), the deny-list (400) and a full queue (503); after the prefill, the perplexity alarm (400 if
-it refuses). Each refusal has OpenAI's error body and is counted by reason. Anything else raised
+it refuses). /tokenize and /detokenize pass the same guards up to the model's name, and refuse
+a field's type or bound with a 400, as vLLM does; they need no engine, only the tokenizer. Each
+refusal has OpenAI's error body and is counted by reason. Anything else raised
 while serving a request ends that request alone with a 500 that names it. The engine steps in a
 thread of its own; a request's tokens reach its handler on the event loop as they are decoded.
 Tokenizing runs in worker threads, so a long prompt does not hold up the other streams."""
@@ -27,22 +29,22 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 import jaxllm
-from jaxllm.data.chat import ChatTemplateError
-from jaxllm.serve import shapes
+from jaxllm.serve import protocol, shapes
 from jaxllm.serve.api_error import ApiError
-from jaxllm.serve.generation import RequestError
 from jaxllm.serve.middleware import Admit, CountRequests, LimitBody
 from jaxllm.serve.responses import Chat, Completions, Job, respond
 from jaxllm.serve.server import Server
 
 log = logging.getLogger("jaxllm.serve")
 
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/models", "/health", "/metrics")
 OPEN = ("/health", "/metrics")  # no API key needed
 REFUSALS = {
-    400: "not JSON, the deny-list, or the perplexity alarm", 401: "no valid API key", 404: "an unknown model",
+    400: "not JSON, the deny-list, the perplexity alarm, or a field of /tokenize or /detokenize",
+    401: "no valid API key", 404: "an unknown model",
     408: "the body came too slowly (serve.body_timeout_s)", 413: "the body is over serve.max_body_bytes",
-    422: "a field's type or bound, an unsupported field, or over the context", 429: "the rate limit",
+    422: "a field's type or bound, an unsupported field, over the context, or the chat template's refusal",
+    429: "the rate limit",
     500: "the engine failed this request (others go on)", 503: "the queue is full, or the engine is not ready",
     504: "past the request's deadline (serve.request_timeout_s)",
 }  # fmt: skip
@@ -52,15 +54,24 @@ REFUSALS = {
 EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
 
 
-def _answers(body: type | None, statuses=tuple(REFUSALS)) -> dict:
-    """The OpenAPI `responses` of a route: `body` (also as server-sent events) and the refusals."""
-    ok = {} if body is None else {200: {"model": body, "content": {"text/event-stream": {"schema": EVENT}}}}
+# vLLM's routes: no stream, no engine (so no 503), and no context limit (so no 422 but the template's).
+TOKENIZE_REFUSALS = (400, 401, 404, 408, 413, 422, 429, 500)
+DETOKENIZE_REFUSALS = (400, 401, 404, 408, 413, 429, 500)
+
+
+def _answers(body: type | None, statuses=tuple(REFUSALS), events: bool = True) -> dict:
+    """The OpenAPI `responses` of a route: `body` (also as server-sent events, if `events`) and
+    the refusals."""
+    stream = {"content": {"text/event-stream": {"schema": EVENT}}} if events else {}
+    ok = {} if body is None else {200: {"model": body, **stream}}
     return ok | {s: {"model": shapes.ErrorResponse, "description": REFUSALS[s]} for s in statuses}
 
 
-def _takes(schema: str) -> dict:
-    """A route's request body, for the document: the routes parse it themselves, after the key."""
-    content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}
+def _takes(*schemas: str) -> dict:
+    """A route's request body (any of `schemas`: unknown fields are ignored, so a body may fit
+    more than one), for the document: the routes parse it themselves, after the key."""
+    refs = [{"$ref": f"#/components/schemas/{s}"} for s in schemas]
+    content = {"application/json": {"schema": refs[0] if len(refs) == 1 else {"anyOf": refs}}}
     return {"requestBody": {"required": True, "content": content}}
 
 
@@ -110,14 +121,7 @@ def create_app(server: Server) -> FastAPI:
         engine = server.engine
         metrics.engine_up.set(engine is not None and engine.failure is None)
         if engine is not None:
-            metrics.queue_depth.set(engine.queued())
-            metrics.active_slots.set(engine.active_slots())
-            metrics.kv_cache_usage.set(engine.cache_usage())
-            metrics.kv_pages_cached.set(engine.pool.cached())
-            metrics.prefix_cache_hits.set(engine.scheduler.prefix_hits)
-            metrics.prefix_cache_misses.set(engine.scheduler.prefix_misses)
-            metrics.preemptions.set(engine.scheduler.preemptions)
-            metrics.engine_restarts.set(engine.restarts)
+            metrics.engine(engine.stats())
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", response_model=shapes.ModelList, responses=_answers(None, (401, 429)))
@@ -136,11 +140,12 @@ def create_app(server: Server) -> FastAPI:
             raise ApiError(422, "echo with logprobs needs the prompt's log-probs: start the server with "
                            "--config.serve.prompt_nll=true", "invalid", "invalid_value", "echo")  # fmt: skip
         prompts = body.prompts
-        texts = [p for p in prompts if isinstance(p, str)]
-        encoded = iter(await run_in_threadpool(server.tokenizer.encode_batch, texts) if texts else [])
-        prefix = list(server.tokenizer.prompt_prefix)  # a text prompt starts as the model's tokenizer starts one
-        ids = [prefix + next(encoded) if isinstance(p, str) else p for p in prompts]
-        requests = [body.request(p, _max_tokens(body.max_tokens, engine.max_len, p), body.logprobs) for p in ids]
+        encoded = iter(await server.text_prompts([p for p in prompts if isinstance(p, str)]))
+        ids = [next(encoded) if isinstance(p, str) else p for p in prompts]
+        constraint = await server.constraint(body)
+        requests = [
+            body.request(p, _max_tokens(body.max_tokens, engine.max_len, p), body.logprobs, constraint) for p in ids
+        ]
         job_id = f"cmpl-{uuid.uuid4().hex}"
         generations = server.submit(engine, requests, [p if isinstance(p, str) else None for p in prompts], job_id)
         job = Job(job_id, "text_completion", Completions(server, body), generations, body.include_usage)
@@ -151,20 +156,39 @@ def create_app(server: Server) -> FastAPI:
     async def chat(http: HttpRequest) -> Response:
         body = await server.parse(http, server.chat_body)
         engine = server.ready()
-        messages = [{"role": m.role, "content": m.text} for m in body.messages]
-        try:  # rendered and tokenized as the chat data format is in training
-            prompt = await run_in_threadpool(lambda: server.tokenizer.encode_special(server.chat.render(messages)))
-        except ChatTemplateError as e:  # a template's refusal is about these messages
-            raise ApiError.of(RequestError(str(e), "invalid_messages", "messages")) from e
+        prompt = await server.chat_prompt(body.messages, tools=body.tools)
+        constraint = await server.constraint(body)
         limit = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        request = body.request(prompt, _max_tokens(limit, engine.max_len, prompt), logprobs)
+        request = body.request(prompt, _max_tokens(limit, engine.max_len, prompt), logprobs, constraint)
         job_id = f"chatcmpl-{uuid.uuid4().hex}"
-        generations = server.submit(engine, [request], ["\n".join(m["content"] for m in messages)], job_id)
+        generations = server.submit(engine, [request], ["\n".join(m.text for m in body.messages)], job_id)
         job = Job(job_id, "chat.completion", Chat(server, body), generations, body.include_usage)
         return await respond(server, http, job, body.stream)
 
-    _document(app, [server.completion_body, server.chat_body])
+    @app.post("/tokenize", openapi_extra=_takes("TokenizeCompletionRequest", "TokenizeChatRequest"),
+              responses=_answers(shapes.TokenizeResponse, TOKENIZE_REFUSALS, events=False))  # fmt: skip
+    async def tokenize(http: HttpRequest) -> JSONResponse:
+        """vLLM's: a text prompt's ids as a completion's (any length), or a chat's as a chat
+        completion's (`messages`), with their count and the context's length."""
+        text, chat = server.tokenize_text_body, server.tokenize_chat_body
+        body = await server.parse(http, lambda fields: chat if "messages" in fields else text, invalid=400)
+        if isinstance(body, protocol.TokenizeChatRequest):
+            ids = await server.chat_prompt(body.messages, body.add_generation_prompt, body.tools)
+            ids = (list(server.tokenizer.prompt_prefix) if body.add_special_tokens else []) + ids
+        else:
+            (ids,) = await server.text_prompts([body.prompt], body.add_special_tokens)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": server.settings.max_len})
+
+    @app.post("/detokenize", openapi_extra=_takes("DetokenizeRequest"),
+              responses=_answers(shapes.DetokenizeResponse, DETOKENIZE_REFUSALS, events=False))  # fmt: skip
+    async def detokenize(http: HttpRequest) -> JSONResponse:
+        """vLLM's: the text of token ids, each in the vocabulary."""
+        body = await server.parse(http, server.detokenize_body, invalid=400)
+        return JSONResponse({"prompt": await run_in_threadpool(server.tokenizer.decode, body.tokens)})
+
+    _document(app, [server.completion_body, server.chat_body, server.tokenize_text_body, server.tokenize_chat_body,
+                    server.detokenize_body])  # fmt: skip
     return app
 
 

@@ -31,6 +31,7 @@ class ApiError(Exception):
                 "context_length_exceeded": (422, "context_length"),
                 "perplexity_alarm": (400, "perplexity"),
                 "unsupported_field": (422, "unsupported_field"),
+                **dict.fromkeys(("invalid_schema", "invalid_regex", "invalid_grammar"), (400, "invalid_grammar")),
             }.get(e.code, (422, "invalid"))
             return cls(status, str(e), reason, e.code or "invalid_value", e.param)
         if isinstance(e, RequestFailed):

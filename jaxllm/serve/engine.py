@@ -1,19 +1,22 @@
-"""The serving engine: requests in, tokens and text out, over a paged KV cache.
+"""The serving engine's host side: requests in, tokens and text out, over a paged KV cache that a
+`Runner` (see `runner`) keeps on the devices. Nothing here needs JAX: a fake runner stands in for
+the device in tests of the scheduling and the HTTP layer.
 
 Each `step()` plans with the `Scheduler` (a token for every decoding sequence, admissions by free
-pages, a chunk batch of prefill work), dispatches a decode step and a prefill step for it, and
+pages, a chunk batch of prefill work), dispatches a decode batch and a prefill batch for it, and
 only then reads back the previous step's tokens and streams them (text, stop strings,
 log-probs): the device runs the new step while the host does that work. A sequence that ended
-in the step just read costs one discarded token in the step already dispatched. Every device
-step, each bucket of rows, table width and chunk length (see `steps.Buckets`), is compiled when
-the engine starts, so no request waits for a compile. `serve_forever()` steps in a thread of
-its own while other threads (or an event loop) submit and read.
+in the step just read costs one discarded token in the step already dispatched. A constrained
+sequence (a structured output) waits for its last token to be read before it decodes again, as
+its grammar's mask for the next token depends on it: it decodes every other step, and its mask
+is computed while the device runs the step between. `serve_forever()` steps in a thread of its
+own while other threads (or an event loop) submit and read.
 
 A request can fail only itself: whatever serving one request raises (its admission, sampling
-settings, stop strings or text) ends that request alone, and a request past its deadline
-(`serve.request_timeout_s`) ends with an error and frees its pages. Only a failed device step,
-which every running sequence shares, ends the running requests: the engine then rebuilds its
-cache and serves on, up to `serve.max_engine_restarts` failed steps in a row.
+settings, grammar, stop strings or text) ends that request alone, and a request past its
+deadline (`serve.request_timeout_s`) ends with an error and frees its pages. Only a failed device
+step, which every running sequence shares, ends the running requests: the runner then rebuilds its
+cache and the engine serves on, up to `serve.max_engine_restarts` failed steps in a row.
 """
 
 from __future__ import annotations
@@ -25,53 +28,88 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from functools import partial
+from typing import Any, Protocol
 
-import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jaxllm.data.tokenizer import Tokenizer
-from jaxllm.model.cache import AXES, SCRATCH_PAGE, KVCache
-from jaxllm.model.decoder import Model
-from jaxllm.model.sampling import Sampling
-from jaxllm.parallel.rules import logical_spec
-from jaxllm.profile import StepProfiler
-from jaxllm.serve.generation import Generation, Limits, Logprob, Request, RequestError, RequestFailed, Unavailable
-from jaxllm.serve.guards import prompt_perplexity
+from jaxllm.serve.batches import DecodeBatch, PrefillBatch, PrefillRow, decode_batch, prefill_batch
+from jaxllm.serve.buckets import Buckets
+from jaxllm.serve.constraints import mask_words
+from jaxllm.serve.generation import Generation, Limits, Logprob, Request, RequestFailed, Tokens, Unavailable
+from jaxllm.serve.guards import PerplexityAlarm
 from jaxllm.serve.pages import PagePool
 from jaxllm.serve.scheduler import Chunk, Scheduler, Sequence, State
-from jaxllm.serve.settings import Serving
-from jaxllm.serve.steps import Buckets, Slots, Tokens, decode, prefill
+from jaxllm.serve.settings import ServeConfig
 
 log = logging.getLogger("jaxllm.serve")
 
 
+class Device(Protocol):
+    """What the engine needs of the device side (`runner.Runner`, or a test's fake)."""
+
+    def decode(self, batch: DecodeBatch) -> Any: ...
+
+    def prefill(self, batch: PrefillBatch) -> Any: ...
+
+    def read(self, pending: Any) -> tuple[Tokens, Tokens | None]: ...
+
+    def reset(self) -> None: ...
+
+    def decode_bytes(self, contexts: list[int]) -> float: ...
+
+    bandwidth: float  # bytes/s one device's memory streams
+
+
 @dataclasses.dataclass
 class Dispatched:
-    """A step on its way: its outputs (device arrays), the rows that draw a token, and (from a
-    prefill that scores prompts) the rows whose prompt tokens it scored."""
+    """A step on its way: its outputs (the device's, until read), the rows that draw a token,
+    (from a prefill that scores prompts) the rows whose prompt tokens it scored, and (from a
+    decode) the bytes each device reads in it."""
 
-    tokens: Tokens
+    pending: Any
     draws: list[tuple[int, Sequence, int]]  # (row, sequence, index of the output token drawn)
     scored: list[tuple[int, Chunk]] = dataclasses.field(default_factory=list)
-    prompt: Tokens | None = None
+    decode_bytes: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """The engine now, for the server's metrics."""
+
+    queued: int  # requests none of whose choices has started
+    active_slots: int
+    cache_usage: float  # the fraction of the KV cache's pages that sequences hold
+    cached_pages: int  # pages in the prefix cache, held or idle
+    prefix_hits: int  # full prompt pages found in the prefix cache since start
+    prefix_misses: int
+    page_size: int
+    preemptions: int
+    restarts: int  # caches rebuilt after a failed step
+    bandwidth_use: float  # of one device's memory bandwidth, over recent decode steps (0 before any)
 
 
 class Engine:
-    """Serves `params` (in `mesh`'s shardings) of `serving.model` as `serving.settings` say (see
-    `serve.settings.serving_config`)."""
+    """Serves requests with `device` (see `Device`), as `settings` say, each request within
+    `limits`; `alarm` judges prompts once scored (`serve.prompt_nll`)."""
 
-    def __init__(self, params: dict, serving: Serving, tokenizer: Tokenizer, mesh: Mesh):
-        self.params, self.tokenizer, self.mesh = params, tokenizer, mesh
-        self.settings = s = serving.settings
-        self.model = Model(serving.model)  # built once: every step below binds its graph to the params
-        self.limits = Limits.of(serving, tokenizer)
-        self.slots, self.max_len, self.vocab_size = s.slots, s.max_len, self.limits.vocab_size
+    BANDWIDTH_SMOOTHING = 0.1  # the weight of each decode step in the bandwidth gauge's moving average
+
+    def __init__(
+        self,
+        device: Device,
+        settings: ServeConfig,
+        limits: Limits,
+        tokenizer: Tokenizer,
+        alarm: PerplexityAlarm | None = None,
+        salt: str = "",
+    ):
+        self.device, self.settings, self.limits, self.tokenizer, self.alarm = device, settings, limits, tokenizer, alarm
+        s = settings
+        self.slots, self.max_len, self.vocab_size = s.slots, s.max_len, limits.vocab_size
+        self.words = mask_words(tokenizer.vocab_size)
         self.buckets = Buckets.of(s.slots, s.max_len, s.page_size, s.prefill_chunk)
-        salt = f"{serving.model}|{s.dtype}|{s.kv_dtype}"  # pages are shared only within one model and dtype
-        self.pool = PagePool(s.kv_pages, s.page_size, salt, s.prefix_cache)
+        self.pool = PagePool(s.kv_pages, s.page_size, salt, s.prefix_cache)  # `salt`: shared by one model and dtype
         self.scheduler = Scheduler(self.pool, s.slots, self.buckets)
         self._incoming: list[Generation] = []  # submitted, not yet seen by the engine thread
         self._sequences: dict[Generation, list[Sequence]] = {}
@@ -83,53 +121,8 @@ class Engine:
         self.restarts = 0  # caches rebuilt after a failed step
         self._failed_in_a_row = 0
         self.steps_run = 0
-        self.profiler: StepProfiler | None = None  # traces engine steps A..B when set (--profile-steps)
-        with jax.set_mesh(mesh):
-            pool = NamedSharding(mesh, logical_spec(AXES))  # an int8 cache's scales too (their head_dim is 1)
-            self._shardings = (pool, NamedSharding(mesh, P()))
-            self._reset()
-            self._compile()
-
-    def _reset(self) -> None:
-        """A zero cache and slot state on the devices."""
-        cache = KVCache.paged(
-            self.model.config, self.settings.kv_pages, self.settings.page_size, self.settings.kv_dtype
-        )
-        pool, replicated = self._shardings
-        self.pools = jax.device_put((cache.keys, cache.values), pool)
-        self.slots_state = jax.device_put(Slots.empty(self.slots), replicated)
-
-    def _compile(self) -> None:
-        """Every step the engine will run, compiled now, each with its outputs' shardings fixed and
-        the cache and slot state donated: a decode step per (rows, table width) bucket, a prefill
-        step per (rows, chunk length, table width) bucket."""
-        b, pool, replicated = self.buckets, *self._shardings
-        out = ((pool, pool), replicated)
-        common = dict(model=self.model, vocab_size=self.vocab_size)
-        decode_step = jax.jit(partial(decode, **common), out_shardings=(*out, replicated), donate_argnums=(1, 2))
-        prefill_step = partial(prefill, logprobs=self.settings.prompt_nll, **common)
-        prefill_step = jax.jit(prefill_step, out_shardings=(*out, replicated, replicated), donate_argnums=(1, 2))
-        state = (self.pools, self.slots_state)
-        self.decode_steps, self.prefill_steps = {}, {}  # compiled, by (rows, pages) and (rows, chunk, pages)
-        for width in b.pages:
-            for rows in b.rows:
-                args = self._decode_args([], rows, width)
-                self.decode_steps[rows, width] = decode_step.lower(self.params, *state, *args).compile()
-            for chunk in (c for c in b.chunks if width * self.settings.page_size >= c):
-                for rows in b.prefill_rows(chunk):
-                    args = self._prefill_args([], rows, chunk, width)
-                    self.prefill_steps[rows, chunk, width] = prefill_step.lower(self.params, *state, *args).compile()
-
-    def decode_step(self, *args):
-        """Dispatches a compiled decode step (its bucket from the arguments' shapes)."""
-        rows, table = args[0], args[3]
-        return self.decode_steps[len(rows), table.shape[1]](self.params, self.pools, self.slots_state, *args)
-
-    def prefill_step(self, *args):
-        """Dispatches a compiled prefill step (its bucket from the arguments' shapes)."""
-        tokens, table = args[1], args[4]
-        step = self.prefill_steps[(*tokens.shape, table.shape[1])]
-        return step(self.params, self.pools, self.slots_state, *args)
+        self.profiler = None  # with `before(step)` and `after(step, pending)`: traces steps A..B (--profile-steps)
+        self._bandwidth_use, self._last_decode_read = 0.0, None
 
     def submit(
         self, request: Request, loop: asyncio.AbstractEventLoop | None = None, request_id: str | None = None
@@ -163,12 +156,12 @@ class Engine:
     def queued(self) -> int:
         return len(self._incoming) + self._queued
 
-    def active_slots(self) -> int:
-        return len(self.scheduler.running)
-
-    def cache_usage(self) -> float:
-        """The fraction of the KV cache's pages that sequences hold."""
-        return self.pool.in_use() / self.pool.capacity
+    def stats(self) -> Stats:
+        return Stats(
+            self.queued(), len(self.scheduler.running), self.pool.in_use() / self.pool.capacity, self.pool.cached(),
+            self.scheduler.prefix_hits, self.scheduler.prefix_misses, self.pool.page_size, self.scheduler.preemptions,
+            self.restarts, self._bandwidth_use,
+        )  # fmt: skip
 
     def serve_forever(self, stop: threading.Event, on_step: Callable[[int], None] = lambda rows: None) -> None:
         """Steps whenever there is work until `stop` is set, calling `on_step` with each decode
@@ -194,7 +187,7 @@ class Engine:
             return self._step()
         self.profiler.before(self.steps_run)
         rows = self._step()
-        self.profiler.after(self.steps_run, [d.tokens for d in self._dispatched])
+        self.profiler.after(self.steps_run, [d.pending for d in self._dispatched])
         return rows
 
     def _step(self) -> int:
@@ -204,8 +197,8 @@ class Engine:
         self._queued = len({s.generation for s in self.scheduler.waiting if s.issued == 0 and s.choice == 0})
         dispatched = []
         try:
-            if plan.decode:
-                dispatched.append(self._dispatch_decode(plan.decode))
+            if plan.decode and (step := self._dispatch_decode(plan.decode)):
+                dispatched.append(step)
             if plan.prefill and (step := self._dispatch_prefill(plan.prefill)):
                 dispatched.append(step)
             previous, self._dispatched = self._dispatched, dispatched
@@ -230,28 +223,32 @@ class Engine:
             if generation.cancelled or now >= generation.deadline:
                 self._drop(generation, None if generation.cancelled else self._late(generation))
 
-    def _dispatch_decode(self, sequences: list[Sequence]) -> Dispatched:
+    def _dispatch_decode(self, sequences: list[Sequence]) -> Dispatched | None:
+        masks = {}
+        for s in sequences:
+            if s.generation.matchers:
+                with self._serving(s.generation):
+                    masks[s] = self._mask(s)
+        sequences = [s for s in sequences if s.state is State.DECODE]  # not failed meanwhile
+        if not sequences:
+            return None
         width = Buckets.fit(max(len(s.pages) for s in sequences), self.buckets.pages)
-        *args, _ = self._decode_args(sequences, Buckets.fit(len(sequences), self.buckets.rows), width)
-        logprobs = any(s.generation.request.logprobs is not None for s in sequences)
-        self.pools, self.slots_state, tokens = self.decode_step(*args, np.bool_(logprobs))
+        rows = Buckets.fit(len(sequences), self.buckets.rows)
+        pending = self.device.decode(decode_batch(sequences, masks, rows, width, self.slots, self.words))
         draws = [(row, s, s.issued) for row, s in enumerate(sequences)]
         for s in sequences:
             s.issued += 1
-        return Dispatched(tokens, draws)
+        return Dispatched(pending, draws, decode_bytes=self.device.decode_bytes([s.position + 1 for s in sequences]))
 
-    def _decode_args(self, sequences: list[Sequence], rows: int, width: int) -> tuple:
-        """(rows, positions, output indices, table, logprobs) padded to `rows` × `width`."""
-        slots, positions, index = (
-            np.full(rows, self.slots, np.int32),
-            np.full(rows, -1, np.int32),
-            np.zeros(rows, np.int32),
-        )
-        table = np.full((rows, width), SCRATCH_PAGE, np.int32)
-        for r, s in enumerate(sequences):
-            slots[r], positions[r], index[r] = s.slot, s.position, s.issued
-            table[r, : len(s.pages)] = s.pages
-        return slots, positions, index, table, np.bool_(False)
+    def _mask(self, sequence: Sequence) -> np.ndarray:
+        """The tokens a constrained sequence may draw next, as a bitmask row."""
+        row = np.empty(self.words, np.int32)
+        sequence.generation.allowed(sequence.choice, row)
+        return row
+
+    def _prefill_row(self, chunk: Chunk) -> PrefillRow:
+        constrained = chunk.final and chunk.sequence.generation.matchers
+        return PrefillRow.of(chunk, self._mask(chunk.sequence) if constrained else None)
 
     def _dispatch_prefill(self, chunks: list[Chunk]) -> Dispatched | None:
         rows = {}
@@ -264,51 +261,21 @@ class Engine:
         size = Buckets.fit(max(c.count for c in chunks), self.buckets.chunks)
         width = Buckets.fit(max(len(c.sequence.pages) for c in chunks), self.buckets.pages)
         count = Buckets.fit(len(chunks), self.buckets.prefill_rows(size))
-        args = self._prefill_args([rows[c] for c in chunks], count, size, width)
-        self.pools, self.slots_state, tokens, prompt = self.prefill_step(*args)
+        batch = prefill_batch([rows[c] for c in chunks], count, size, width, self.slots, self.words)
+        pending = self.device.prefill(batch)
         draws = [(row, c.sequence, c.sequence.issued) for row, c in enumerate(chunks) if c.final]
         scored = [(row, c) for row, c in enumerate(chunks) if c.sequence.scores_prompt and not c.sequence.output]
         for chunk in chunks:
             self.scheduler.advance(chunk)
-        return Dispatched(tokens, draws, scored if self.settings.prompt_nll else [], prompt)
-
-    def _prefill_row(self, chunk: Chunk) -> tuple:
-        """One chunk's row of a prefill step: (slot, tokens, start, final, output index, the tokens
-        following each, pages, sampling settings)."""
-        s, request = chunk.sequence, chunk.sequence.generation.request
-        sampling = Sampling.one(request.temperature, request.top_k, request.top_p, s.generation.seed, s.choice)
-        following = s.target[chunk.start + 1 : chunk.start + chunk.count + 1]
-        return s.slot, chunk.tokens, chunk.start, chunk.final, s.issued, following, s.pages, sampling
-
-    def _prefill_args(self, rows: list[tuple], count: int, size: int, width: int) -> tuple:
-        """(slots, tokens, starts, lengths, table, final, sampling, output indices, following),
-        `rows` padded to `count` rows × `size` tokens × `width` pages."""
-        slots, starts, index = (
-            np.full(count, self.slots, np.int32),
-            np.zeros(count, np.int32),
-            np.zeros(count, np.int32),
-        )
-        tokens, following = np.zeros((count, size), np.int32), np.zeros((count, size), np.int32)
-        lengths, final = np.ones(count, np.int32), np.zeros(count, np.bool_)
-        table, settings = np.full((count, width), SCRATCH_PAGE, np.int32), [Sampling.one()] * count
-        for r, (slot, chunk, start, last, issued, after, pages, sampling) in enumerate(rows):
-            slots[r], starts[r], lengths[r], final[r], index[r], settings[r] = (
-                slot,
-                start,
-                len(chunk),
-                last,
-                issued,
-                sampling,
-            )
-            tokens[r, : len(chunk)], following[r, : len(after)], table[r, : len(pages)] = chunk, after, pages
-        sampling = Sampling(*(np.concatenate(field) for field in zip(*settings, strict=True)))
-        return slots, tokens, starts, lengths, table, final, sampling, index, following
+        return Dispatched(pending, draws, scored if self.settings.prompt_nll else [])
 
     def _read(self, step: Dispatched) -> None:
         """Streams what `step` produced; a choice that finishes gives back its pages and slot."""
-        tokens = jax.device_get(step.tokens)
+        tokens, prompt = self.device.read(step.pending)
+        if step.decode_bytes:
+            self._measure_bandwidth(step.decode_bytes)
         if step.scored:
-            self._score_prompts(step.scored, jax.device_get(step.prompt))
+            self._score_prompts(step.scored, prompt)
         for row, sequence, index in step.draws:
             generation = sequence.generation
             if sequence.state is State.DONE or index != len(sequence.output):
@@ -318,6 +285,15 @@ class Engine:
                     self.scheduler.finish(sequence)
                     if generation.done:
                         del self._sequences[generation]
+
+    def _measure_bandwidth(self, decode_bytes: float) -> None:
+        """The bytes a decode step read over the time since the last decode step's read: the
+        device's pace while decode steps follow one another."""
+        now, last = time.perf_counter(), self._last_decode_read
+        self._last_decode_read = now
+        if last is not None and now > last:
+            use = decode_bytes / (now - last) / self.device.bandwidth
+            self._bandwidth_use += self.BANDWIDTH_SMOOTHING * (use - self._bandwidth_use)
 
     def _score_prompts(self, scored: list[tuple[int, Chunk]], prompt: Tokens) -> None:
         """Collects each prompt token's log-prob from the prefill chunks that read it; once a
@@ -337,18 +313,10 @@ class Engine:
                     self._judge(sequence.generation, sequence.scored)
 
     def _judge(self, generation: Generation, scored: Tokens) -> None:
-        """Records the prompt's log-probs and perplexity, and ends the request if the alarm refuses it."""
-        s = self.settings
+        """Records the prompt's log-probs, and ends the request if the perplexity alarm refuses it."""
         generation.prompt_logprobs = scored
-        generation.perplexity = prompt_perplexity(-generation.prompt_logprobs.logprobs)
-        generation.alarm = s.ppl_alarm is not None and max(generation.perplexity) > s.ppl_alarm
-        if generation.alarm and s.ppl_reject:
-            whole, window = generation.perplexity
-            message = (
-                f"the prompt's perplexity ({whole:.1f} whole, {window:.1f} in its worst 32-token window) is above "
-                f"this server's limit of {s.ppl_alarm:g} (serve.ppl_alarm); send text the model can read"
-            )
-            self._drop(generation, RequestError(message, "perplexity_alarm", "prompt"))
+        if self.alarm is not None and (refusal := self.alarm.judge(generation, -scored.logprobs)):
+            self._drop(generation, refusal)
 
     @contextlib.contextmanager
     def _serving(self, generation: Generation) -> Iterator[None]:
@@ -390,8 +358,7 @@ class Engine:
             for s in sequences:
                 s.issued = len(s.output)
         self.pool.forget()
-        with jax.set_mesh(self.mesh):
-            self._reset()
+        self.device.reset()
         self.restarts += 1
 
     def _stop(self, failure: BaseException) -> None:

@@ -1,7 +1,8 @@
 """A request to the serving engine and what becomes of it: its settings and every bound on them,
 its deltas as they are decoded, its choices once it ends, and how it ended (finished, refused,
 failed or past its deadline). The engine thread writes a `Generation`, any other thread or an
-event loop reads it, and every read has an end."""
+event loop reads it, and every read has an end. Nothing here needs JAX: the HTTP layer and the
+engine's host side share these types with the device side."""
 
 from __future__ import annotations
 
@@ -14,17 +15,34 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
 
 from jaxllm.data.tokenizer import Tokenizer
 from jaxllm.errors import JaxllmError
 from jaxllm.serve.settings import Serving
-from jaxllm.serve.steps import TOP_LOGPROBS, Tokens
 from jaxllm.serve.stream import EMPTY_STOP, MAX_STOPS, TextStream
 
+if TYPE_CHECKING:
+    from jaxllm.serve.constraints import Constraint
+
+TOP_LOGPROBS = 20
 SEEDS = 2**32  # a seed is a uint32 on the device
 # A reader waits this long past a request's deadline before it gives up on the engine thread
 # itself (stuck in a device call, say); a live engine ends the request at its deadline.
 READ_GRACE_S = 10.0
+
+
+class Tokens(NamedTuple):
+    """What a step produced, per row, with the model's raw log-probabilities (before
+    temperature, top-k, top-p and any constraint) when asked for (zeros otherwise): device arrays
+    from a step, numpy ones once read back."""
+
+    ids: Any
+    logprobs: Any  # of each chosen token
+    top_ids: Any  # [.., TOP_LOGPROBS] the most likely tokens, most likely first
+    top_logprobs: Any
 
 
 class RequestError(JaxllmError):
@@ -62,6 +80,7 @@ class Request:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # report each token's log-prob and this many alternatives (≤ 20)
+    constraint: Constraint | None = None  # the output must match this grammar (see `constraints`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +148,11 @@ class Limits:
         )
         require(all(r.stop), EMPTY_STOP, param="stop")
         require(
+            r.constraint is None or not r.ignore_eos,
+            "ignore_eos cannot be set with a structured output: its end is where the grammar's output ends",
+            param="ignore_eos",
+        )
+        require(
             r.logprobs is None or 0 <= r.logprobs <= self.top_logprobs,
             f"logprobs={r.logprobs} must be between 0 and {self.top_logprobs}",
             param="logprobs",
@@ -174,8 +198,8 @@ class Generation:
 
     With `serve.prompt_nll`, `prompt_logprobs` holds each prompt token's log-prob after the first
     (numpy `Tokens`), `perplexity` the prompt's (whole, worst 32-token window), and `alarm` whether
-    either passed `serve.ppl_alarm`. `submitted`, `first_token_at` and `finished_at` are
-    `time.perf_counter()` readings."""
+    either passed `serve.ppl_alarm`. `submitted`, `scheduled_at` (its first choice's first
+    admission), `first_token_at` and `finished_at` are `time.perf_counter()` readings."""
 
     def __init__(
         self,
@@ -191,12 +215,13 @@ class Generation:
             TextStream(tokenizer, request.max_tokens, request.stop, request.ignore_eos) for _ in range(request.n)
         ]
         self.logprobs: list[list[Logprob]] = [[] for _ in range(request.n)]
+        self.matchers = [request.constraint.matcher() for _ in range(request.n)] if request.constraint else None
         self.prompt_logprobs: Tokens | None = None
         self.perplexity: tuple[float, float] | None = None
         self.alarm = False
         self.error: Exception | None = None
         self.cancelled = False
-        self.submitted, self.first_token_at, self.finished_at = time.perf_counter(), None, None
+        self.submitted, self.scheduled_at, self.first_token_at, self.finished_at = time.perf_counter(), None, None, None
         self._loop = loop
         self._events: queue.SimpleQueue | asyncio.Queue = asyncio.Queue() if loop else queue.SimpleQueue()
         self._unfinished = request.n
@@ -246,10 +271,18 @@ class Generation:
         except RuntimeError:  # the loop has closed: the server has shut down, and no one reads
             pass
 
+    def allowed(self, choice: int, row: np.ndarray) -> None:
+        """Writes the tokens a constrained choice may draw next into `row`, a bitmask (a bit per
+        token id, 32 to an int32)."""
+        self.matchers[choice].fill(row)
+
     def _push(self, choice: int, token: int, logprob: Logprob | None) -> bool:
-        """Feeds a choice its next token; True once it has finished."""
+        """Feeds a choice its next token; True once it has finished (a constrained one also when
+        its grammar's output is complete)."""
         stream = self.streams[choice]
         text = stream.push(token)
+        if self.matchers and stream.finish_reason is None and self.matchers[choice].take(token):
+            text += stream.end()
         self.first_token_at = self.first_token_at or time.perf_counter()
         if logprob is not None:
             self.logprobs[choice].append(logprob)

@@ -1,5 +1,6 @@
 """What the HTTP server checks before and after a request reaches the engine: API keys, a token
-bucket per key, a deny-list of regexes, and the prompt perplexity the alarm reads."""
+bucket per key, a deny-list of regexes, and the prompt perplexity alarm (which the engine asks
+once a prompt is scored, so a refused prompt generates nothing)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import unicodedata
 import numpy as np
 
 from jaxllm.config import ConfigError
+from jaxllm.serve.generation import Generation, RequestError
 
 PPL_WINDOW = 32  # tokens: a short burst of gibberish inside a long, ordinary prompt still shows
 
@@ -92,3 +94,24 @@ def prompt_perplexity(nll: np.ndarray) -> tuple[float, float]:
         return whole, whole
     sums = np.cumsum(np.concatenate([[0.0], nll]))
     return whole, float(np.exp(np.max(sums[PPL_WINDOW:] - sums[:-PPL_WINDOW]) / PPL_WINDOW))
+
+
+class PerplexityAlarm:
+    """Sounds when a prompt's perplexity (whole, or its worst window) passes `limit`
+    (`serve.ppl_alarm`); with `reject` (`serve.ppl_reject`), the request is refused."""
+
+    def __init__(self, limit: float | None, reject: bool):
+        self.limit, self.reject = limit, reject
+
+    def judge(self, generation: Generation, nll: np.ndarray) -> RequestError | None:
+        """Records the prompt's perplexity from its tokens' NLL, and whether the alarm sounds;
+        returns the refusal if it refuses the request."""
+        generation.perplexity = whole, window = prompt_perplexity(nll)
+        generation.alarm = self.limit is not None and max(whole, window) > self.limit
+        if not (generation.alarm and self.reject):
+            return None
+        message = (
+            f"the prompt's perplexity ({whole:.1f} whole, {window:.1f} in its worst {PPL_WINDOW}-token window) is "
+            f"above this server's limit of {self.limit:g} (serve.ppl_alarm); send text the model can read"
+        )
+        return RequestError(message, "perplexity_alarm", "prompt")

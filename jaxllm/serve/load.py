@@ -9,13 +9,19 @@ import pathlib
 from typing import Any
 
 import jax
+from jax.sharding import Mesh
 
 from jaxllm.checkpoint import load_params, stored_config
 from jaxllm.checkpoint.hf.config import is_hf_dir
 from jaxllm.config import ConfigError
 from jaxllm.data.tokenizer import Tokenizer, get_tokenizer, load_saved_tokenizer
 from jaxllm.parallel.mesh import make_mesh
+from jaxllm.serve.buckets import Buckets
+from jaxllm.serve.constraints import mask_words
 from jaxllm.serve.engine import Engine
+from jaxllm.serve.generation import Limits
+from jaxllm.serve.guards import PerplexityAlarm
+from jaxllm.serve.runner import Runner
 from jaxllm.serve.settings import ServeConfig, Serving, serving_config
 
 SERVE = "serve."
@@ -50,7 +56,17 @@ def start_engine(path: str | pathlib.Path, serving: Serving, tokenizer: Tokenize
     weights = f"int8 weights, {s.dtype} compute" if model.quantize else s.dtype
     print(f"serve: step {step} of {pathlib.Path(path).absolute()}, {weights}, {s.kv_dtype} KV cache, tensor "
           f"parallel over {s.tensor}", flush=True)  # fmt: skip
-    return Engine(params, serving, tokenizer, mesh)
+    return build_engine(params, serving, tokenizer, mesh)
+
+
+def build_engine(params: dict, serving: Serving, tokenizer: Tokenizer, mesh: Mesh) -> Engine:
+    """The engine's host side over a `Runner` of `params` (in `mesh`'s shardings), every step compiled."""
+    s = serving.settings
+    limits = Limits.of(serving, tokenizer)
+    buckets = Buckets.of(s.slots, s.max_len, s.page_size, s.prefill_chunk)
+    runner = Runner(params, serving, mesh, buckets, limits.vocab_size, mask_words(tokenizer.vocab_size))
+    salt = f"{serving.model}|{s.dtype}|{s.kv_dtype}"  # pages are shared only within one model and dtype
+    return Engine(runner, s, limits, tokenizer, PerplexityAlarm(s.ppl_alarm, s.ppl_reject), salt)
 
 
 def load_engine(

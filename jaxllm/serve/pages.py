@@ -16,6 +16,8 @@ import hashlib
 
 import numpy as np
 
+SCRATCH_PAGE = 0  # `model.cache.SCRATCH_PAGE`, named here too so the host side needs no JAX
+
 
 class PagePool:
     """`pages` pages of `page_size` positions (page 0 kept back as scratch); with `prefix_cache`

@@ -6,12 +6,12 @@ extensions (vLLM's names)."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, create_model
 
-from jaxllm.serve.generation import SEEDS, Limits, Request, RequestError
-from jaxllm.serve.steps import TOP_LOGPROBS
+from jaxllm.serve.generation import SEEDS, TOP_LOGPROBS, Limits, Request, RequestError
 from jaxllm.serve.stream import EMPTY_STOP, MAX_STOPS
 
 
@@ -54,11 +54,8 @@ UNSUPPORTED = {
     "repetition_penalty": lambda v: v in (None, 1),
     "best_of": lambda v: v in (None, 1),
     "suffix": lambda v: v in (None, ""),
-    "tools": lambda v: v in (None, []),
-    "functions": lambda v: v in (None, []),
-    "tool_choice": lambda v: v in (None, "none"),
+    "functions": lambda v: v in (None, []),  # tools' old form
     "function_call": lambda v: v in (None, "none"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "audio": lambda v: v is None,
     "modalities": lambda v: v in (None, ["text"]),
 }
@@ -79,6 +76,53 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchema(BaseModel):
+    name: str = "output"
+    description: str | None = None
+    schema_: dict = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None  # the schema holds either way: every output is sampled under it
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON under a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` extension: exactly one of a JSON schema, a regular expression,
+    a list of strings to choose from, or a Lark grammar."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[Text] | None = None
+    grammar: str | None = None
+
+
+class Function(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: Function
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class ToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class _Sampling(BaseModel):
     """The fields completions and chats share. The bounds that depend on the server (`n`, `top_k`,
     `max_tokens`, the prompt's) are set by `request_models`."""
@@ -95,6 +139,7 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    structured_outputs: StructuredOutputs | None = None
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -104,10 +149,10 @@ class _Sampling(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def request(self, prompt: list[int], max_tokens: int, logprobs: int | None) -> Request:
+    def request(self, prompt: list[int], max_tokens: int, logprobs: int | None, constraint=None) -> Request:
         return Request(
             prompt, max_tokens, self.temperature, self.top_k, self.top_p, self.seed, self.n, self.stops,
-            self.ignore_eos, logprobs,
+            self.ignore_eos, logprobs, constraint,
         )  # fmt: skip
 
 
@@ -128,13 +173,49 @@ class TextPart(BaseModel):
     text: Text
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = None  # None: an assistant turn of tool calls only
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def turn(self) -> dict:
+        """The message as a chat template sees it (tool calls' arguments as objects, as
+        transformers' templates expect)."""
+        turn = {"role": self.role, "content": self.text}
+        if self.tool_calls:
+            turn["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                                              "arguments": _arguments(c.function.arguments)}}
+                for c in self.tool_calls
+            ]  # fmt: skip
+        if self.tool_call_id is not None:
+            turn["tool_call_id"] = self.tool_call_id
+        return turn
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class ChatRequest(_Sampling):
@@ -143,6 +224,10 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, description="max_tokens' newer name; wins over it")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 def _prompt_form(value) -> str | None:
@@ -207,3 +292,66 @@ def request_models(limits: Limits, model_name: str) -> tuple[type[CompletionRequ
         max_completion_tokens=max_tokens(None), **bounded,
     )  # fmt: skip
     return completion, chat
+
+
+# vLLM's /tokenize and /detokenize. Their refusals are 400s, as vLLM's are.
+
+
+def _left_out(value):
+    """Refuses a vLLM field this route cannot honour unless it is off."""
+    if value:
+        raise ValueError("not supported by this route; leave it out")
+    return value
+
+
+Off = Annotated[bool | None, AfterValidator(_left_out)]
+
+
+class TokenizeCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Text = Field(description="the served model's id (GET /v1/models)")
+    prompt: Text = Field(description="text, tokenized as a completion's prompt is, of any length")
+    add_special_tokens: bool = Field(True, description="start with what the model's tokenizer puts first (bos)")
+    return_token_strs: Off = None
+
+
+class TokenizeChatRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Text = Field(description="the served model's id (GET /v1/models)")
+    messages: list[Message] = Field(min_length=1, description="rendered and tokenized as a chat completion's")
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = Field(False, description="put what the model's tokenizer puts first (bos) before it")
+    return_token_strs: Off = None
+    continue_final_message: Off = None
+    chat_template: Annotated[str | None, AfterValidator(_left_out)] = None
+    chat_template_kwargs: Annotated[dict | None, AfterValidator(_left_out)] = None
+    tools: list[Tool] | None = Field(None, description="rendered by the template, as a chat completion's")
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Text = Field(description="the served model's id (GET /v1/models)")
+    tokens: list[int] = Field(min_length=1)
+
+
+def tokenize_models(limits: Limits, model_name: str) -> tuple[type, type, type]:
+    """/tokenize's two bodies (text, chat) and /detokenize's, for one server: token ids are
+    integers (not 5.0 or "5") in its vocabulary."""
+
+    def in_vocabulary(token: int) -> int:
+        if not 0 <= token < limits.vocab_size:
+            raise ValueError(f"not a token id of this model: send integers in [0, {limits.vocab_size})")
+        return token
+
+    model = (Text, Field(description="the served model's id", json_schema_extra={"enum": [model_name]}))
+    schema = {"minimum": 0, "exclusiveMaximum": limits.vocab_size}
+    token = Annotated[int, Field(strict=True, json_schema_extra=schema), AfterValidator(in_vocabulary)]
+    tokens = (list[token], Field(min_length=1, description=f"token ids, each in [0, {limits.vocab_size})"))
+    return (
+        create_model("TokenizeCompletionRequest", __base__=TokenizeCompletionRequest, model=model),
+        create_model("TokenizeChatRequest", __base__=TokenizeChatRequest, model=model),
+        create_model("DetokenizeRequest", __base__=DetokenizeRequest, model=model, tokens=tokens),
+    )

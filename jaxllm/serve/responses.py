@@ -15,7 +15,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 
-from jaxllm.serve import protocol, shapes
+from jaxllm.serve import protocol, shapes, structured
 from jaxllm.serve.aio import ClientGone, drain, merged, unless_gone
 from jaxllm.serve.api_error import ApiError
 from jaxllm.serve.generation import Delta, Generation, RequestFailed
@@ -54,24 +54,42 @@ class Completions:
 
 
 class Chat:
+    """A chat's choices; with tools, an output that is a whole array of calls is answered as
+    `tool_calls` (streamed: held back from its first `[` and sent whole at its end, as one delta
+    per call with its index, id, name and arguments, which OpenAI's client assembles)."""
+
     def __init__(self, server: Server, body: protocol.ChatRequest):
         self.server, self.body = server, body
         self.top = (body.top_logprobs or 0) if body.logprobs else None
+        self.calls = structured.Calls(body)
+        self._held: dict[int, str] = {}  # by choice index: streamed text that may be calls
 
     def _logprobs(self, logprobs) -> dict | None:
         return None if self.top is None else shapes.chat_logprobs(self.server.tokenizer, logprobs, self.top)
 
     def choice(self, g: Generation, index: int, choice) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": choice.text},
-                "finish_reason": choice.finish_reason, "logprobs": self._logprobs(choice.logprobs)}  # fmt: skip
+        calls = self.calls.read(choice.text)
+        message = {"role": "assistant", "content": None, "tool_calls": calls} if calls else \
+            {"role": "assistant", "content": choice.text}  # fmt: skip
+        return {"index": index, "message": message, "finish_reason": "tool_calls" if calls else choice.finish_reason,
+                "logprobs": self._logprobs(choice.logprobs)}  # fmt: skip
 
     def opening(self, g: Generation, index: int) -> dict:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
 
     def chunk(self, g: Generation, index: int, delta: Delta, offset: int) -> dict:
-        content = {"content": delta.text} if delta.text else {}
-        return {"index": index, "delta": content, "finish_reason": delta.finish_reason,
-                "logprobs": self._logprobs(delta.logprobs)}  # fmt: skip
+        text, finish = delta.text, delta.finish_reason
+        content = {"content": text} if text else {}
+        if self.calls.active and (index in self._held or (offset == 0 and text.startswith("["))):
+            self._held[index] = self._held.get(index, "") + text
+            content = {}
+            if finish is not None:
+                held = self._held.pop(index)
+                calls = self.calls.read(held)
+                content = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]} if calls else \
+                    {"content": held}  # fmt: skip
+                finish = "tool_calls" if calls else finish
+        return {"index": index, "delta": content, "finish_reason": finish, "logprobs": self._logprobs(delta.logprobs)}
 
 
 @dataclasses.dataclass
@@ -148,7 +166,9 @@ async def _events(server: Server, job: Job, streams: list[AsyncIterator[Delta]])
         async for i, delta in merged(streams):
             index = job.choice_index(i, delta.choice)
             if delta.text or delta.finish_reason or delta.logprobs:
-                yield chunk([job.api.chunk(job.generations[i], index, delta, offsets.get(index, 0))])
+                body = job.api.chunk(job.generations[i], index, delta, offsets.get(index, 0))
+                if body.get("delta", True) or body["finish_reason"] or body["logprobs"]:  # not all held back
+                    yield chunk([body])
             offsets[index] = offsets.get(index, 0) + len(delta.text)
         if failure := job.failure():
             raise failure

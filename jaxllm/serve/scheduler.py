@@ -16,11 +16,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import time
 from typing import Any
 
+from jaxllm.serve.buckets import Buckets
 from jaxllm.serve.generation import Generation
 from jaxllm.serve.pages import PagePool
-from jaxllm.serve.steps import Buckets
 
 
 class State(enum.Enum):
@@ -59,7 +60,10 @@ class Sequence:
         return self.generation.streams[self.choice].tokens
 
     def wants_tokens(self) -> bool:
-        return self.state is State.DECODE and self.issued < self.generation.request.max_tokens
+        """Decoding, short of max_tokens, and (if constrained: its grammar's mask follows from its
+        last token) with every token read back."""
+        ready = not self.generation.matchers or self.issued == len(self.output)
+        return self.state is State.DECODE and self.issued < self.generation.request.max_tokens and ready
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +169,8 @@ class Scheduler:
                 self.prefix_hits += len(shared)
                 self.prefix_misses += (len(target) - 1) // self.pool.page_size - len(shared)
             self.waiting.popleft()
+            generation = sequence.generation
+            generation.scheduled_at = generation.scheduled_at or time.perf_counter()
             sequence.state, sequence.slot, sequence.pages = State.PREFILL, self._free_slots.pop(), shared + fresh
             sequence.target, sequence.computed = target, len(shared) * self.pool.page_size
             sequence.issued = len(sequence.output)

@@ -8,16 +8,18 @@ import dataclasses
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request as HttpRequest
 from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
 
-from jaxllm.data.chat import ChatTemplate
+from jaxllm.data.chat import ChatTemplate, ChatTemplateError
 from jaxllm.data.tokenizer import Tokenizer
-from jaxllm.serve import protocol
+from jaxllm.serve import protocol, structured
 from jaxllm.serve.aio import chain
 from jaxllm.serve.api_error import FAILURES, ApiError
+from jaxllm.serve.constraints import Constraint, Grammars
 from jaxllm.serve.engine import Engine
 from jaxllm.serve.generation import Delta, Generation, Limits, Request, RequestError, RequestFailed, Unavailable
 from jaxllm.serve.guards import DenyList, RateLimiter
@@ -44,8 +46,12 @@ class Server:
     engine: Engine | None = None
 
     def __post_init__(self):
+        self.grammars = Grammars(self.tokenizer)
         self.limiter = RateLimiter(self.settings.rate_per_s, self.settings.burst)
         self.completion_body, self.chat_body = protocol.request_models(self.limits, self.model_name)
+        self.tokenize_text_body, self.tokenize_chat_body, self.detokenize_body = protocol.tokenize_models(
+            self.limits, self.model_name
+        )
 
     def admit(self, headers, client: str) -> None:
         """The API key (if keys are set), then the token bucket of the key or client address.
@@ -75,9 +81,12 @@ class Server:
             raise ApiError(503, f"the engine has stopped ({self.engine.failure!r}); restart the server", "unavailable")
         return self.engine
 
-    async def parse(self, request: HttpRequest, schema: type[BaseModel]) -> BaseModel:
-        """The body as `schema`: JSON (400), then fields this server cannot honour, then every
-        field's type and bound (422), then the model's name (404)."""
+    async def parse(
+        self, request: HttpRequest, schema: type[BaseModel] | Callable[[dict], type[BaseModel]], invalid: int = 422
+    ) -> BaseModel:
+        """The body as `schema` (or as the schema it picks for the JSON body's fields): JSON (400),
+        then fields this server cannot honour, then every field's type and bound (`invalid`: 422,
+        or 400 on vLLM's routes, as vLLM answers), then the model's name (404)."""
         timeout = self.settings.body_timeout_s
         try:
             raw = await asyncio.wait_for(request.body(), timeout)
@@ -89,23 +98,57 @@ class Server:
         except (ValueError, RecursionError) as e:  # bad UTF-8 and over-long integers are ValueErrors too
             raise ApiError(400, f"the body is not JSON ({e}); send a JSON object", "bad_json", "invalid_json") from e
         if not isinstance(body, dict):
-            raise ApiError(422, f"the body is a JSON {type(body).__name__}; send a JSON object", "invalid")
+            raise ApiError(invalid, f"the body is a JSON {type(body).__name__}; send a JSON object", "invalid")
         try:
             protocol.unsupported(body)
-            parsed = schema.model_validate(body)
+            parsed = (schema if isinstance(schema, type) else schema(body)).model_validate(body)
         except RequestError as e:
-            raise ApiError.of(e) from e
+            refusal = ApiError.of(e)
+            if refusal.status == 422:  # a field's
+                refusal.status = invalid
+            raise refusal from e
         except ValidationError as e:
             error = e.errors()[0]  # its location, less pydantic's names of the types and forms it tried
             param = ".".join(str(p) for p in error["loc"] if isinstance(p, int) or p.isidentifier() and p != "str")
             bound = protocol.BOUNDS.get(str(error["loc"][0])) if error["type"] in UPPER_BOUNDS else None
             message = f"{param}: {error['msg']}" + (f" ({bound})" if bound else "")
-            raise ApiError(422, message, "invalid", "invalid_value", param) from e
+            raise ApiError(invalid, message, "invalid", "invalid_value", param) from e
         if parsed.model != self.model_name:
             shown = parsed.model if len(parsed.model) <= NAME_SHOWN else parsed.model[:NAME_SHOWN] + "…"
             raise ApiError(404, f"model {shown!r} is not served here; this server serves {self.model_name!r}",
                            "unknown_model", "model_not_found", "model")  # fmt: skip
         return parsed
+
+    async def constraint(self, body: protocol._Sampling) -> Constraint | None:
+        """The grammar `body`'s structured-output fields ask for, checked (in a worker thread: a
+        large schema takes a while); one that cannot be used is a 400 naming the field."""
+        try:
+            return await run_in_threadpool(structured.constraint, self.grammars, body)
+        except RequestError as e:
+            raise ApiError.of(e) from e
+
+    async def text_prompts(self, texts: list[str], special: bool = True) -> list[list[int]]:
+        """Text prompts tokenized (in a worker thread) as the model's tokenizer starts a prompt:
+        its `prompt_prefix` (a Llama's bos; not if `special` is false), then the text's tokens."""
+        encoded = await run_in_threadpool(self.tokenizer.encode_batch, texts) if texts else []
+        prefix = list(self.tokenizer.prompt_prefix) if special else []
+        return [prefix + ids for ids in encoded]
+
+    async def chat_prompt(
+        self, messages: list[protocol.Message], add_generation_prompt: bool = True, tools: list | None = None
+    ) -> list[int]:
+        """A chat's prompt: its messages (and `tools`, as OpenAI's request gives them) rendered by
+        the chat template and tokenized (in a worker thread) as the chat data format is in
+        training, special tokens' text read as those tokens. A template's refusal is about these
+        messages: a 422."""
+        turns = [m.turn() for m in messages]
+        tools = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+        try:
+            return await run_in_threadpool(
+                lambda: self.tokenizer.encode_special(self.chat.render(turns, add_generation_prompt, tools))
+            )
+        except ChatTemplateError as e:
+            raise ApiError.of(RequestError(str(e), "invalid_messages", "messages")) from e
 
     def submit(self, engine: Engine, requests: list[Request], texts: list[str | None], request_id: str):
         """The engine's limits, the deny-list (on each request's text, or its tokens' if it came as
@@ -169,9 +212,11 @@ class Server:
         """Latency and token metrics of requests that ran to their end."""
         m = self.metrics
         for g in generations:
+            if g.scheduled_at is not None:
+                m.queued(g.scheduled_at - g.submitted)
             if g.first_token_at is not None:
-                m.time_to_first_token.observe(g.first_token_at - g.submitted)
+                m.first_token(g.first_token_at - g.submitted)
             for stream in g.streams:
                 m.generated_tokens.inc(len(stream.tokens))
                 if g.finished_at is not None and len(stream.tokens) > 1:
-                    m.time_per_output_token.observe((g.finished_at - g.first_token_at) / (len(stream.tokens) - 1))
+                    m.decoded(len(stream.tokens), g.finished_at - g.first_token_at)

@@ -11,10 +11,10 @@ from typing import Literal
 from pydantic import BaseModel
 
 from jaxllm.data.tokenizer import Tokenizer
-from jaxllm.serve.generation import Logprob
-from jaxllm.serve.steps import Tokens
+from jaxllm.serve.generation import Logprob, Tokens
+from jaxllm.serve.protocol import ToolCall
 
-FinishReason = Literal["stop", "length"] | None
+FinishReason = Literal["stop", "length", "tool_calls"] | None
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -122,7 +122,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # None: the answer is its tool calls
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -152,3 +153,13 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"]
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -58,6 +58,10 @@ class TextStream:
             return self._finish("length", text)
         return self._release(self.text[: len(self.text) - self._held()])
 
+    def end(self) -> str:
+        """Finishes now (`stop`: a grammar's output is complete); returns the rest of the text."""
+        return self._finish("stop", self.text + self._pending())
+
     def _pending(self) -> str:
         """The text of the tokens after `_end`, complete or not."""
         before = self.tokenizer.decode(self.tokens[self._start : self._end])

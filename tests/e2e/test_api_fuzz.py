@@ -29,6 +29,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 # model on the valid ones; the others take no input to break.
 POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 EXAMPLES = {"/v1/completions": (100, [POSITIVE, NEGATIVE]), "/v1/chat/completions": (100, [POSITIVE, NEGATIVE]),
+            "/tokenize": (50, [POSITIVE, NEGATIVE]), "/detokenize": (50, [POSITIVE, NEGATIVE]),
             "/v1/models": (5, [POSITIVE]), "/health": (5, [POSITIVE])}  # fmt: skip
 GREEDY = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
 
@@ -75,3 +76,6 @@ def test_fuzzed_requests_get_documented_answers_and_leave_the_server_as_it_was(s
     for route in ("/v1/completions", "/v1/chat/completions"):
         assert seen["POST", route, "positive"].count(200) >= 10, seen["POST", route, "positive"]
         assert {422} <= set(seen["POST", route, "negative"]), seen["POST", route, "negative"]
+    for route in ("/tokenize", "/detokenize"):  # vLLM's routes refuse a field with a 400
+        assert seen["POST", route, "positive"].count(200) >= 10, seen["POST", route, "positive"]
+        assert {400} <= set(seen["POST", route, "negative"]), seen["POST", route, "negative"]

@@ -60,17 +60,17 @@ def _poison_prefill(engine, monkeypatch, delay: float = 0.0):
 
 
 def _slow_steps(engine, monkeypatch, seconds: float):
-    real = engine.decode_step
+    real = engine.device.decode
 
-    def decode(*args):
+    def decode(batch):
         time.sleep(seconds)
-        return real(*args)
+        return real(batch)
 
-    monkeypatch.setattr(engine, "decode_step", decode)
+    monkeypatch.setattr(engine.device, "decode", decode)
 
 
 def _idle(engine):
-    return not engine.busy() and engine.active_slots() == 0
+    return not engine.busy() and engine.stats().active_slots == 0
 
 
 def test_whatever_serving_a_request_raises_ends_it_alone(engine, monkeypatch, caplog):
@@ -126,15 +126,15 @@ def test_failed_decode_steps_restart_the_engine_until_too_many_fail_in_a_row(tra
     failures = []
 
     def flaky(real):
-        def step(*args):
+        def step(batch):
             if failures:
                 raise failures.pop(0)
-            return real(*args)
+            return real(batch)
 
         return step
 
-    for step in ("decode_step", "prefill_step"):
-        monkeypatch.setattr(engine, step, flaky(getattr(engine, step)))
+    for step in ("decode", "prefill"):
+        monkeypatch.setattr(engine.device, step, flaky(getattr(engine.device, step)))
     running = [engine.submit(_greedy([5], 30)) for _ in range(SLOTS)]
     waiting = engine.submit(_greedy([6, 7]))
     engine.step()  # all four prefilled, one waiting

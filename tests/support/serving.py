@@ -27,7 +27,7 @@ def http_server(engine, api_keys=(), deny=(), model_name="m"):
     in `server.engine.failure`."""
     settings = engine.settings
     server = Server(settings, engine.limits, model_name, engine.tokenizer, ChatTemplate(), DenyList(list(deny)),
-                    frozenset(api_keys), Metrics(engine.slots), engine)  # fmt: skip
+                    frozenset(api_keys), Metrics(engine.slots, model_name), engine)  # fmt: skip
     stop = threading.Event()
 
     def step_until_stopped():

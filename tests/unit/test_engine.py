@@ -13,6 +13,7 @@ import collections
 import contextlib
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from functools import partial
 import httpx
 import jax
 import jax.numpy as jnp
+import jsonschema
 import numpy as np
 import pytest
 from support.runs import checkpoint_params, small_config
@@ -33,10 +35,12 @@ from jaxllm.model.decoder import Model
 from jaxllm.model.int8 import symmetric_int8
 from jaxllm.model.layers import attend, paged_decode_attention
 from jaxllm.parallel.mesh import make_mesh
+from jaxllm.serve.batches import DecodeBatch
+from jaxllm.serve.buckets import Buckets
 from jaxllm.serve.generation import Request, RequestError
 from jaxllm.serve.load import load_engine
 from jaxllm.serve.settings import ServeConfig, serving_config
-from jaxllm.serve.steps import Buckets, Slots, decode
+from jaxllm.serve.steps import Slots, decode
 
 PPL_ALARM = 300.0  # about the vocabulary's size: the barely trained model passes it on some prompts
 SLOTS, NEW = 8, 25  # the first token comes from the prefill, then 24 decode steps
@@ -101,7 +105,7 @@ def _full_logprobs(workdir, model, sequences):
 def test_engine_matches_full_recompute_and_is_independent_of_neighbours(trained, engines, tensor):
     workdir, model, tokenizer = trained
     engine = engines(tensor)
-    assert engine.mesh.shape["tensor"] == tensor and len(engine.buckets.pages) == 3
+    assert engine.device.mesh.shape["tensor"] == tensor and len(engine.buckets.pages) == 3
     requests = _requests(tokenizer.vocab_size)
     generations = _run(engine, requests, JOINS)
     together = {r: g.choices()[0] for r, g in generations.items()}
@@ -160,16 +164,16 @@ def test_preempted_sequences_resume_with_the_same_output_and_every_page_returns(
 def _count_prefilled(engine, monkeypatch) -> collections.Counter:
     """How many times the engine's prefill steps compute each position, counted from their
     arguments (rows of the scratch slot are padding)."""
-    prefilled, real = collections.Counter(), engine.prefill_step
+    prefilled, real = collections.Counter(), engine.device.prefill
 
-    def prefill_step(*args):
-        slots, _, starts, lengths = args[:4]
-        for slot, start, length in zip(slots.tolist(), starts.tolist(), lengths.tolist(), strict=True):
+    def prefill(batch):
+        rows = zip(batch.slots.tolist(), batch.starts.tolist(), batch.lengths.tolist(), strict=True)
+        for slot, start, length in rows:
             if slot != engine.slots:
                 prefilled.update(range(start, start + length))
-        return real(*args)
+        return real(batch)
 
-    monkeypatch.setattr(engine, "prefill_step", prefill_step)
+    monkeypatch.setattr(engine.device, "prefill", prefill)
     return prefilled
 
 
@@ -203,6 +207,7 @@ def test_the_prefix_cache_counts_its_pages_over_http(engines):
     hits, misses, cached = ([m[name] for m in seen] for name in metric_names)
     assert np.diff(misses).tolist() == [3, 0] and np.diff(hits).tolist() == [0, 3]
     assert cached[1] >= cached[0] + 3 and seen[-1]["jaxllm_kv_cache_usage"] == 0
+    assert 0 < seen[-1]["jaxllm_decode_bandwidth_fraction"] == engine.stats().bandwidth_use < 2
 
 
 @contextlib.contextmanager
@@ -231,18 +236,19 @@ def test_requests_run_without_compiling_in_buckets_of_their_live_size(trained, e
     engine, tokenizer = engines(2), trained[2]
     b = engine.buckets
     assert b.pages == [16, 32, 64] and b.rows == [1, 2, 4, 8] and b.chunks == [16, 32]
-    decodes, prefills, real_decode, real_prefill = [], [], engine.decode_step, engine.prefill_step
+    decodes, prefills, real_decode, real_prefill = [], [], engine.device.decode, engine.device.prefill
 
-    def decode_step(*args):
-        decodes.append((len(args[0]), int((args[0] != engine.slots).sum()), args[3].shape[1]))  # padded, busy, width
-        return real_decode(*args)
+    def decode(batch):
+        rows = batch.slots
+        decodes.append((len(rows), int((rows != engine.slots).sum()), batch.table.shape[1]))  # padded, busy, width
+        return real_decode(batch)
 
-    def prefill_step(*args):
-        prefills.append((*args[1].shape, args[4].shape[1]))  # rows, chunk, width
-        return real_prefill(*args)
+    def prefill(batch):
+        prefills.append((*batch.tokens.shape, batch.table.shape[1]))  # rows, chunk, width
+        return real_prefill(batch)
 
-    monkeypatch.setattr(engine, "decode_step", decode_step)
-    monkeypatch.setattr(engine, "prefill_step", prefill_step)
+    monkeypatch.setattr(engine.device, "decode", decode)
+    monkeypatch.setattr(engine.device, "prefill", prefill)
     requests = [
         Request(tokenizer.encode("{"), 6, temperature=0.0),
         Request([5] * 16, 6, temperature=0.8, top_k=5, top_p=0.9, seed=3, n=2, stop=("}",), logprobs=3),
@@ -266,9 +272,11 @@ def _decode_cost(model, pages: int, width: int, rows: int = 8):
     params = jax.eval_shape(lambda: Model(model).init(0))
     step = jax.jit(partial(decode, model=Model(model), vocab_size=model.vocab_size), donate_argnums=(1, 2))
     i32 = partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
-    args = (i32((rows,)), i32((rows,)), i32((rows,)), i32((rows, width)), jax.ShapeDtypeStruct((), jnp.bool_))
+    words = -(-model.vocab_size // 32)
+    batch = DecodeBatch(i32((rows,)), i32((rows,)), i32((rows,)), i32((rows, width)),
+                        jax.ShapeDtypeStruct((), jnp.bool_), i32((rows, words)))  # fmt: skip
     with jax.set_mesh(make_mesh(small_config().parallel, jax.devices()[:1])):
-        compiled = step.lower(params, (cache.keys, cache.values), Slots.empty(rows), *args).compile()
+        compiled = step.lower(params, (cache.keys, cache.values), Slots.empty(rows), batch).compile()
     return compiled.cost_analysis()["flops"], compiled.memory_analysis().temp_size_in_bytes
 
 
@@ -374,8 +382,8 @@ def test_decode_step_updates_the_donated_cache_in_place(engines):
     """The compiled decode steps on tensor 2 alias the pool to their output and need less than half
     its bytes of temporaries (a copy of it would need all; the widest reads one layer's worth)."""
     engine = engines(2)
-    per_device = 2 * engine.pools[0].addressable_shards[0].data.nbytes
-    for step in engine.decode_steps.values():
+    per_device = 2 * engine.device.pools[0].addressable_shards[0].data.nbytes
+    for step in engine.device.decode_steps.values():
         memory = step.memory_analysis()
         assert memory.alias_size_in_bytes >= per_device
         assert memory.temp_size_in_bytes < per_device / 2, (memory.temp_size_in_bytes, per_device)
@@ -442,3 +450,37 @@ def test_serving_imports_nothing_of_training():
     probe = "import sys, jaxllm.serve.__main__; print(sorted(m for m in sys.modules if m.startswith('jaxllm.train')))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_a_constrained_request_draws_the_models_best_allowed_token_beside_free_ones(trained, engines):
+    """On tensor 2: a greedy request under a regex, batched with free requests, draws at each step
+    the token the full recompute ranks highest among those its grammar allows; the free requests
+    draw what they draw alone; sampled requests under a JSON schema parse and validate."""
+    from jaxllm.serve.constraints import Grammars
+
+    workdir, model, tokenizer = trained
+    engine, grammars = engines(2), Grammars(tokenizer)
+    digits = grammars.regex("[0-9]{1,3}(, [0-9]{1,3}){3}", "regex")
+    prompt = tokenizer.encode('{"list": [1, 2, ')
+    free = [Request(prompt, 12, temperature=0.0, ignore_eos=True), Request(SYSTEM, 12, temperature=0.9, seed=4)]
+    alone = [g.choices()[0].tokens for g in engine.generate(free)]
+    constrained, *together = engine.generate([Request(prompt, 40, temperature=0.0, constraint=digits), *free])
+    assert [g.choices()[0].tokens for g in together] == alone
+    choice = constrained.choices()[0]
+    assert re.fullmatch("[0-9]{1,3}(, [0-9]{1,3}){3}", choice.text) and choice.finish_reason == "stop"
+    logprobs = _full_logprobs(workdir, model, [prompt + choice.tokens])[0]
+    matcher, row = digits.matcher(), np.empty(-(-tokenizer.vocab_size // 32), np.int32)
+    for i, token in enumerate(choice.tokens):
+        matcher.fill(row)
+        allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[: tokenizer.vocab_size])
+        assert token == allowed[np.argmax(logprobs[len(prompt) - 1 + i, allowed])], i
+        matcher.take(token)
+    schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
+              "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}}, "required": ["id", "tags"],
+              "additionalProperties": False}
+    sampled = engine.generate([Request(prompt, 120, temperature=1.0, seed=s, n=2,
+                                       constraint=grammars.json_schema(schema, "schema")) for s in range(3)])
+    for choice in (c for g in sampled for c in g.choices()):
+        assert choice.finish_reason == "stop", choice.text
+        jsonschema.validate(json.loads(choice.text), schema)
+    assert engine.pool.in_use() == 0

@@ -1,0 +1,125 @@
+"""The serving engine's device side: the model's parameters, the paged KV cache and slot state
+on the mesh, and every step compiled when it starts. The host side (`engine`) talks to it through
+four calls: `decode` and `prefill` dispatch a batch and return at once, `read` waits for a
+dispatched step's tokens, `reset` zeroes the cache after a failed step.
+
+(A prefill writes its rows' first tokens and sampling settings straight into their slots on the
+device, so there is no separate "insert" of a prefilled sequence into the decode batch.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxllm.model.cache import AXES, KVCache
+from jaxllm.model.decoder import Model
+from jaxllm.parallel.rules import logical_spec
+from jaxllm.plan.hardware import accelerator_of
+from jaxllm.serve.batches import DecodeBatch, PrefillBatch, decode_batch, prefill_batch
+from jaxllm.serve.buckets import Buckets
+from jaxllm.serve.generation import Tokens
+from jaxllm.serve.settings import Serving
+from jaxllm.serve.steps import Slots, decode, prefill
+
+
+@dataclasses.dataclass
+class Pending:
+    """A dispatched step's outputs, still on the device."""
+
+    tokens: Tokens
+    prompt: Tokens | None = None
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s a jitted read of 256 MB streams on the default device."""
+    x = jnp.ones(64 << 20, jnp.float32)
+    read = jax.jit(lambda x: x.sum())
+    jax.block_until_ready(read(x))
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        jax.block_until_ready(read(x))
+        best = min(best, time.perf_counter() - start)
+    return x.nbytes / best
+
+
+class Runner:
+    """Runs `serving.model` with `params` (in `mesh`'s shardings) over a cache of the shapes in
+    `buckets`; tokens are drawn below `vocab_size`, from masks of `words` int32 words a row."""
+
+    def __init__(self, params: dict, serving: Serving, mesh: Mesh, buckets: Buckets, vocab_size: int, words: int):
+        self.params, self.mesh, self.buckets, self.words = params, mesh, buckets, words
+        self.settings = s = serving.settings
+        self.model = Model(serving.model)  # built once: every step binds its graph to the params
+        self.vocab_size = vocab_size
+        with jax.set_mesh(mesh):
+            pool = NamedSharding(mesh, logical_spec(AXES))  # an int8 cache's scales too (their head_dim is 1)
+            self._shardings = (pool, NamedSharding(mesh, P()))
+            self.reset()
+            self._compile()
+        device = mesh.devices.flat[0]
+        # What one device reads in a decode step, for the achieved-bandwidth gauge.
+        self.weight_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(params))
+        self.kv_bytes_per_token = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.pools)) / (
+            s.kv_pages * s.page_size
+        )
+        known = accelerator_of(device.device_kind)
+        self.bandwidth = known.hbm if known else copy_bandwidth()  # bytes/s of one device's memory
+
+    def reset(self) -> None:
+        """A zero cache and slot state on the devices."""
+        s = self.settings
+        cache = KVCache.paged(self.model.config, s.kv_pages, s.page_size, s.kv_dtype)
+        pool, replicated = self._shardings
+        self.pools = jax.device_put((cache.keys, cache.values), pool)
+        self.slots_state = jax.device_put(Slots.empty(s.slots), replicated)
+
+    def _compile(self) -> None:
+        """Every step the engine will run, compiled now, each with its outputs' shardings fixed and
+        the cache and slot state donated: a decode step per (rows, table width) bucket, a prefill
+        step per (rows, chunk length, table width) bucket."""
+        b, pool, replicated = self.buckets, *self._shardings
+        out = ((pool, pool), replicated)
+        common = dict(model=self.model, vocab_size=self.vocab_size)
+        decode_step = jax.jit(partial(decode, **common), out_shardings=(*out, replicated), donate_argnums=(1, 2))
+        prefill_step = partial(prefill, logprobs=self.settings.prompt_nll, **common)
+        prefill_step = jax.jit(prefill_step, out_shardings=(*out, replicated, replicated), donate_argnums=(1, 2))
+        state, slots, page_size = (self.pools, self.slots_state), self.settings.slots, self.settings.page_size
+        self.decode_steps, self.prefill_steps = {}, {}  # compiled, by (rows, pages) and (rows, chunk, pages)
+        for width in b.pages:
+            for rows in b.rows:
+                batch = decode_batch([], {}, rows, width, slots, self.words)
+                self.decode_steps[rows, width] = decode_step.lower(self.params, *state, batch).compile()
+            for chunk in (c for c in b.chunks if width * page_size >= c):
+                for rows in b.prefill_rows(chunk):
+                    batch = prefill_batch([], rows, chunk, width, slots, self.words)
+                    self.prefill_steps[rows, chunk, width] = prefill_step.lower(self.params, *state, batch).compile()
+
+    def decode(self, batch: DecodeBatch) -> Pending:
+        """Dispatches a compiled decode step (its bucket from the batch's shapes)."""
+        step = self.decode_steps[batch.table.shape]
+        self.pools, self.slots_state, tokens = step(self.params, self.pools, self.slots_state, batch)
+        return Pending(tokens)
+
+    def prefill(self, batch: PrefillBatch) -> Pending:
+        """Dispatches a compiled prefill step (its bucket from the batch's shapes)."""
+        step = self.prefill_steps[(*batch.tokens.shape, batch.table.shape[1])]
+        self.pools, self.slots_state, tokens, prompt = step(self.params, self.pools, self.slots_state, batch)
+        return Pending(tokens, prompt if self.settings.prompt_nll else None)
+
+    @staticmethod
+    def read(pending: Pending) -> tuple[Tokens, Tokens | None]:
+        """A step's tokens (and scored prompt tokens), on the host once the step has run."""
+        return jax.device_get((pending.tokens, pending.prompt))
+
+    def decode_bytes(self, contexts: list[int]) -> float:
+        """Bytes one device reads in a decode step over sequences of `contexts` tokens."""
+        return self.weight_bytes + self.kv_bytes_per_token * sum(contexts)
+
