@@ -123,6 +123,7 @@ class Engine:
         self.steps_run = 0
         self.profiler = None  # with `before(step)` and `after(step, pending)`: traces steps A..B (--profile-steps)
         self._bandwidth_use, self._last_decode_read = 0.0, None
+        self.clock = time.perf_counter  # times decode steps for the bandwidth gauge
 
     def submit(
         self, request: Request, loop: asyncio.AbstractEventLoop | None = None, request_id: str | None = None
@@ -289,7 +290,7 @@ class Engine:
     def _measure_bandwidth(self, decode_bytes: float) -> None:
         """The bytes a decode step read over the time since the last decode step's read: the
         device's pace while decode steps follow one another."""
-        now, last = time.perf_counter(), self._last_decode_read
+        now, last = self.clock(), self._last_decode_read
         self._last_decode_read = now
         if last is not None and now > last:
             use = decode_bytes / (now - last) / self.device.bandwidth

@@ -9,7 +9,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 
 import jsonschema
 import numpy as np
@@ -250,19 +249,16 @@ def test_requests_a_constraint_cannot_serve_are_refused_by_name(client, grammars
             "a", "regex")))  # fmt: skip
 
 
-class SlowDevice(FakeDevice):
-    """A device whose steps take 20 ms each and read 1 MB."""
-
-    def read(self, pending):
-        time.sleep(0.02)
-        return super().read(pending)
-
+class MegabyteDevice(FakeDevice):
     def decode_bytes(self, contexts):
         return 1e6
 
 
 def test_the_bandwidth_gauge_is_bytes_per_step_over_step_time_over_the_devices(tokenizer):
+    """A device that reads 1 MB a decode step, on a clock that moves 20 ms between reads."""
     engine = fake_engine(tokenizer)
-    engine.device = SlowDevice(engine.slots, tokenizer.vocab_size)
+    engine.device = MegabyteDevice(engine.slots, tokenizer.vocab_size)
+    ticks = iter(np.arange(10_000) * 0.02)
+    engine.clock = lambda: float(next(ticks))
     engine.generate([Request([1, 2], 120, temperature=1.0, seed=0, ignore_eos=True)])
-    assert engine.stats().bandwidth_use == pytest.approx(1e6 / 0.02 / FakeDevice.bandwidth, rel=0.25)
+    assert engine.stats().bandwidth_use == pytest.approx(1e6 / 0.02 / FakeDevice.bandwidth, rel=1e-3)
