@@ -14,7 +14,7 @@ import json
 import uuid
 
 from jaxllm.serve import protocol
-from jaxllm.serve.constraints import Constraint, Grammars
+from jaxllm.serve.constraints import JSON_OPTIONS, Constraint, Grammars
 from jaxllm.serve.generation import RequestError
 
 
@@ -89,7 +89,7 @@ class Calls:
              "required": ["name", "arguments"], "additionalProperties": False}
             for name in self.callable
         ]  # fmt: skip
-        schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+        schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1, "x-guidance": JSON_OPTIONS}
         return schema | ({} if self.parallel else {"maxItems": 1})
 
     def lark(self) -> str:

@@ -124,6 +124,10 @@ def test_the_tool_call_grammar_takes_calls_and_text_and_refuses_anything_else(to
     call = '[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]'
     assert takes(auto, call) and takes(auto, "It is sunny.") and takes(required, call)
     assert not takes(required, "It is sunny.")
+    assert not takes(required, call.replace("[{", "[\n  {"))  # written compactly, as OpenAI's models write it
+    compact = grammars.json_schema(WEATHER, "schema")
+    assert takes(compact, call[1:-1].split('"arguments": ')[1][:-1])
+    assert not takes(compact, '{ "city": "Paris", "unit": "celsius"}')
     for broken in ('[{"name": "get_time", "arguments": {}}]', '[{"name": "add", "arguments": {"a": 100, "b": 1}}]',
                    '[{"name": "add", "arguments": {"a": 1}}]', "[1]"):  # fmt: skip
         assert not takes(auto, broken), broken
