@@ -18,7 +18,14 @@ from llguidance import LLMatcher, LLTokenizer
 from jaxllm.data.tokenizer import Tokenizer
 from jaxllm.serve.generation import RequestError
 
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # as OpenAI's models write
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def compact(schema: dict) -> dict:
+    """`schema` written as OpenAI's models write JSON, one space after `,` and `:` and no other
+    whitespace (llguidance's `x-guidance` options; the schema's own, if any, win). A grammar that
+    allowed free whitespace would let a model spin in it."""
+    return schema | {"x-guidance": JSON_OPTIONS | schema.get("x-guidance", {})}
 
 
 def mask_words(vocab_size: int) -> int:
@@ -63,11 +70,14 @@ class Grammars:
         self._tokenizer = tokenizer.grammar_tokenizer()
 
     def json_schema(self, schema: dict, param: str) -> Constraint:
+        if not isinstance(schema, dict):
+            raise RequestError(f"{param} is a JSON {type(schema).__name__}; a schema is an object", "invalid_schema",
+                               param)  # fmt: skip
         try:
-            text = json.dumps(schema, allow_nan=False)
+            text = json.dumps(compact(schema), allow_nan=False)
         except (TypeError, ValueError) as e:
             raise RequestError(f"{param} is not a JSON schema ({e})", "invalid_schema", param) from None
-        return self._checked(LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS), param, "schema")
+        return self._checked(LLMatcher.grammar_from_json_schema(text), param, "schema")
 
     def json_object(self, param: str) -> Constraint:
         return self.json_schema({"type": "object"}, param)

@@ -14,7 +14,7 @@ import json
 import uuid
 
 from jaxllm.serve import protocol
-from jaxllm.serve.constraints import JSON_OPTIONS, Constraint, Grammars
+from jaxllm.serve.constraints import Constraint, Grammars, compact
 from jaxllm.serve.generation import RequestError
 
 
@@ -32,7 +32,8 @@ def constraint(grammars: Grammars, body: protocol._Sampling) -> Constraint | Non
 
 
 def _structured(grammars: Grammars, wanted: protocol.StructuredOutputs) -> Constraint:
-    given = [name for name in ("json", "regex", "choice", "grammar") if getattr(wanted, name + "_" * (name == "json"))]
+    fields = {"json": wanted.json_, "regex": wanted.regex, "choice": wanted.choice, "grammar": wanted.grammar}
+    given = [name for name, value in fields.items() if value is not None]
     if len(given) != 1:
         raise RequestError(f"structured_outputs names {len(given)} of json, regex, choice and grammar; give exactly "
                            "one", "invalid_grammar", "structured_outputs")  # fmt: skip
@@ -89,8 +90,8 @@ class Calls:
              "required": ["name", "arguments"], "additionalProperties": False}
             for name in self.callable
         ]  # fmt: skip
-        schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1, "x-guidance": JSON_OPTIONS}
-        return schema | ({} if self.parallel else {"maxItems": 1})
+        schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+        return compact(schema | ({} if self.parallel else {"maxItems": 1}))
 
     def lark(self) -> str:
         calls = f"calls: %json {json.dumps(self.schema())}"

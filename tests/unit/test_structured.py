@@ -230,6 +230,8 @@ def test_tool_calls_whole_and_streamed(client):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "objekt"}}}},
      "response_format.json_schema.schema", "Invalid type: objekt"),
     ({"structured_outputs": {"regex": "(a"}}, "structured_outputs.regex", "unclosed group"),
+    ({"structured_outputs": {"json": "[1]"}}, "structured_outputs.json", "is a JSON list; a schema is an object"),
+    ({"structured_outputs": {"json": {"x-guidance": 5}}}, "structured_outputs.json", "not a JSON schema"),
     ({"structured_outputs": {"grammar": "start: nothing_here"}}, "structured_outputs.grammar", "unknown name"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "give exactly one"),
     ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format", "cannot be combined with tools"),
