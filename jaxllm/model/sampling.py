@@ -1,13 +1,21 @@
 """Next-token sampling for a batch of slots, each with its own settings: greedy, temperature,
-top-k, top-p and seed.
+top-k, top-p and seed; and the verification of proposed tokens (speculative decoding).
 
 A draw's key is `fold_in(seed, choice, token_index)`: a pure function of the request (its seed,
 which of its `n` choices, which token of the output), never of the slot or the step, so a request
 generates the same text alone or among others, whenever it joined.
+
+`verify` accepts a proposed token d with the probability p(d) the sampler would draw it, and on
+a rejection draws from p without d: a proposal that is one token for sure (a lookup's, or a
+greedy draft model's) is the special case q = δ(d) of speculative sampling's min(1, p/q) test
+and max(0, p − q) residual, so every output token is distributed exactly as plain sampling's.
+Greedy rows accept d when it is the argmax: their output is plain greedy decoding's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -67,29 +75,99 @@ def unpack_mask(bits: jax.Array, width: int) -> jax.Array:
     return jnp.pad(flags, ((0, 0), (0, width - flags.shape[1])))
 
 
-def sample(
-    logits: jax.Array, sampling: Sampling, token_index: jax.Array, vocab_size: int, mask: jax.Array | None = None
-) -> jax.Array:
-    """[slots] int32 tokens from [slots, vocab] logits (any padding past `vocab_size` is never
-    drawn), with `mask` [slots, words] a bitmask of the tokens each slot may draw (see
-    `unpack_mask`). Work no slot needs is skipped: the draw when all are greedy, the sort when
-    none cuts top-k/p."""
+def _allowed_logits(logits: jax.Array, vocab_size: int, mask: jax.Array | None) -> jax.Array:
+    """fp32 logits, -inf for tokens never drawn: past `vocab_size` or outside `mask`."""
     keep = jnp.arange(logits.shape[-1]) < vocab_size
     if mask is not None:
         keep = keep & unpack_mask(mask, logits.shape[-1])
-    logits = jnp.where(keep, logits.astype(jnp.float32), -jnp.inf)
-    greedy = first_argmax(logits)
+    return jnp.where(keep, logits.astype(jnp.float32), -jnp.inf)
+
+
+def _scaled(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, cut: bool) -> jax.Array:
+    """One row's logits as a sampled row draws from them: tempered, and (with `cut`) top-k/p cut."""
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    return jnp.where(allowed(scaled, top_k, top_p), scaled, -jnp.inf) if cut else scaled
+
+
+def _by_need(sampling: Sampling, greedy: Callable, sampled: Callable) -> jax.Array:
+    """`greedy()` when no row samples, else `sampled(cut)`, `cut` whether some sampled row cuts
+    top-k/p: work no row needs (the draw, the sort) is skipped."""
+    rows = sampling.temperature > 0
+    cuts = jnp.any(rows & ((sampling.top_k > 0) | (sampling.top_p < 1)))
+    which = jnp.where(jnp.any(rows), 1 + cuts.astype(jnp.int32), 0)
+    return jax.lax.switch(which, [greedy, lambda: sampled(False), lambda: sampled(True)])
+
+
+def sample(
+    logits: jax.Array,
+    sampling: Sampling,
+    token_index: jax.Array,
+    vocab_size: int,
+    mask: jax.Array | None = None,
+    exclude: jax.Array | None = None,
+) -> jax.Array:
+    """[slots] int32 tokens from [slots, vocab] logits (any padding past `vocab_size` is never
+    drawn), with `mask` [slots, words] a bitmask of the tokens each slot may draw (see
+    `unpack_mask`) and `exclude` [slots] a token each may not (-1: none), taken out after the
+    top-k/p cut, so the rest keep the probabilities they had."""
+    logits = _allowed_logits(logits, vocab_size, mask)
+    exclude = jnp.full(logits.shape[0], -1) if exclude is None else exclude
+    kept = jnp.arange(logits.shape[-1]) != exclude[:, None]
+    greedy = first_argmax(jnp.where(kept, logits, -jnp.inf))
 
     def draw(cut: bool):
-        def one(logits, temperature, top_k, top_p, seed, choice, index):
-            scaled = logits / jnp.maximum(temperature, 1e-6)
-            if cut:
-                scaled = jnp.where(allowed(scaled, top_k, top_p), scaled, -jnp.inf)
+        def one(logits, kept, temperature, top_k, top_p, seed, choice, index):
+            scaled = jnp.where(kept, _scaled(logits, temperature, top_k, top_p, cut), -jnp.inf)
             return jax.random.categorical(draw_key(seed, choice, index), scaled).astype(jnp.int32)
 
-        return lambda: jnp.where(sampling.temperature > 0, jax.vmap(one)(logits, *sampling, token_index), greedy)
+        return jnp.where(sampling.temperature > 0, jax.vmap(one)(logits, kept, *sampling, token_index), greedy)
 
-    sampled = sampling.temperature > 0
-    cuts = jnp.any(sampled & ((sampling.top_k > 0) | (sampling.top_p < 1)))
-    which = jnp.where(jnp.any(sampled), 1 + cuts.astype(jnp.int32), 0)
-    return jax.lax.switch(which, [lambda: greedy, draw(cut=False), draw(cut=True)])
+    return _by_need(sampling, lambda: greedy, draw)
+
+
+def probability(
+    logits: jax.Array, sampling: Sampling, tokens: jax.Array, vocab_size: int, mask: jax.Array | None = None
+) -> jax.Array:
+    """[slots] the probability that `sample` draws `tokens` [slots] from `logits` (1 or 0 for a
+    greedy slot)."""
+    logits = _allowed_logits(logits, vocab_size, mask)
+    greedy = (first_argmax(logits) == tokens).astype(jnp.float32)
+
+    def sampled(cut: bool):
+        def one(logits, temperature, top_k, top_p, token):
+            return jax.nn.softmax(_scaled(logits, temperature, top_k, top_p, cut))[token]
+
+        return jnp.where(sampling.temperature > 0, jax.vmap(one)(logits, *sampling[:3], tokens), greedy)
+
+    return _by_need(sampling, lambda: greedy, sampled)
+
+
+def verify(
+    logits: jax.Array,
+    drafts: jax.Array,
+    sampling: Sampling,
+    token_index: jax.Array,
+    vocab_size: int,
+    mask: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Checks each row's proposed tokens `drafts` [rows, K] (-1 past a row's last) against the
+    target's `logits` [rows, K + 1, vocab] at the positions they fill (and the one after):
+    (tokens [rows, K + 1], accepted [rows]). A row's output is its first `accepted` drafts, then
+    `tokens[accepted]`, a correction of the first rejected draft (or, all accepted, one more
+    token); its later tokens mean nothing. Position j draws output token `token_index + j` by the
+    request's key for it, as plain sampling does; `mask` [rows, words] constrains every position."""
+    rows, positions, vocab = logits.shape
+    proposed = jnp.concatenate([drafts, jnp.full((rows, 1), -1, drafts.dtype)], axis=1)
+    index = token_index[:, None] + jnp.arange(positions)
+    every = partial(jax.tree.map, lambda a: jnp.repeat(a, positions, axis=0))  # a row's value at each position
+    flat = logits.reshape(rows * positions, vocab), proposed.reshape(-1), index.reshape(-1)
+    logits, proposed, index = flat
+    sampling, mask = every(sampling), None if mask is None else every(mask)
+    odds = probability(logits, sampling, jnp.maximum(proposed, 0), vocab_size, mask)
+    keys = jax.vmap(draw_key)(sampling.seed, sampling.choice, index)
+    uniform = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(keys)
+    accept = (proposed >= 0) & (uniform < odds)  # a distinct stream from the residual draw's
+    residual = sample(logits, sampling, index, vocab_size, mask, exclude=proposed)
+    tokens = jnp.where(accept, proposed, residual).reshape(rows, positions)
+    accepted = jnp.sum(jnp.cumprod(accept.reshape(rows, positions), axis=1), axis=1)
+    return tokens, accepted

@@ -8,6 +8,7 @@ import pathlib
 import socket
 import sys
 import threading
+import time
 
 import uvicorn
 from absl import logging
@@ -22,7 +23,7 @@ from jaxllm.profile import StepProfiler
 from jaxllm.serve.api import create_app
 from jaxllm.serve.generation import Limits, Request
 from jaxllm.serve.guards import DenyList, load_api_keys
-from jaxllm.serve.load import serving_setup, start_engine
+from jaxllm.serve.load import serving_setup, start_engine, use_compile_cache
 from jaxllm.serve.metrics import Metrics
 from jaxllm.serve.server import Server
 from jaxllm.serve.settings import ServeConfig, Serving
@@ -62,7 +63,7 @@ def profiler(args) -> StepProfiler | None:
     return StepProfiler(steps, logdir, on_summary=lambda s: print(s.format(), flush=True))
 
 
-def complete_prompts(path: str, serving: Serving, tokenizer, args) -> None:
+def complete_prompts(path: str, serving: Serving, tokenizer, args, compile_cache) -> None:
     engine = start_engine(path, serving, tokenizer)
     engine.profiler = profiler(args)
     requests = [
@@ -73,9 +74,9 @@ def complete_prompts(path: str, serving: Serving, tokenizer, args) -> None:
         print(f"--- {prompt!r} ({choice.finish_reason}, {len(choice.tokens)} tokens)\n{prompt}{choice.text}")
 
 
-def serve_http(path: str, serving: Serving, tokenizer, args) -> None:
+def serve_http(path: str, serving: Serving, tokenizer, args, compile_cache: pathlib.Path | None) -> None:
     """Listens at once; loads and compiles in a thread that then steps the engine until shutdown."""
-    s = serving.settings
+    started, s = time.perf_counter(), serving.settings
     name = s.model_name or pathlib.Path(path).absolute().name
     server = Server(
         s, Limits.of(serving, tokenizer), name, tokenizer,
@@ -94,9 +95,11 @@ def serve_http(path: str, serving: Serving, tokenizer, args) -> None:
 
     def run_engine() -> None:
         try:
-            server.engine = start_engine(path, serving, tokenizer)
-            server.engine.profiler = profiler(args)
-            print(f"serve: {server.model_name!r} ready at http://{s.host}:{s.port}/v1", flush=True)
+            engine = start_engine(path, serving, tokenizer, lambda *progress: setattr(server, "compiled", progress))
+            engine.profiler = profiler(args)
+            server.engine, startup = engine, time.perf_counter() - started
+            server.metrics.startup.set(startup)
+            print(f"serve: {server.model_name!r} ready at http://{s.host}:{s.port}/v1 in {startup:.1f} s", flush=True)
             server.engine.serve_forever(stop, server.metrics.step_slots.observe)
         except Exception as e:
             std_logging.getLogger("jaxllm.serve").exception("the engine stopped")
@@ -104,10 +107,10 @@ def serve_http(path: str, serving: Serving, tokenizer, args) -> None:
                 failure.append(e)
                 http.should_exit = True
 
-    engine = threading.Thread(target=run_engine, name="engine", daemon=True)
-    engine.start()
+    threading.Thread(target=run_engine, name="engine", daemon=True).start()
     auth = f"{len(server.api_keys)} API keys" if server.api_keys else "no API keys (authentication off)"
-    print(f"serve: listening on http://{s.host}:{s.port} with {auth}; compiling", flush=True)
+    cache = f"compilation cache {compile_cache}" if compile_cache else "no compilation cache"
+    print(f"serve: listening on http://{s.host}:{s.port} with {auth}; compiling ({cache})", flush=True)
     http.run(sockets=[listening])
     stop.set()
     if failure:
@@ -128,7 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.quantize:
         overrides["model.quantize"] = args.quantize
     serving, tokenizer = serving_setup(path, overrides, args.tokenizer)
-    (complete_prompts if args.prompt else serve_http)(path, serving, tokenizer, args)
+    compile_cache = use_compile_cache(serving.settings.compile_cache, args.workdir)
+    (complete_prompts if args.prompt else serve_http)(path, serving, tokenizer, args, compile_cache)
 
 
 if __name__ == "__main__":

@@ -107,11 +107,12 @@ def create_app(server: Server) -> FastAPI:
         message = f"request {request_id} failed ({type(e).__name__}); the server's log has why"
         return refused(ApiError(500, message, "internal_error", "internal_error").about(request_id))
 
-    @app.get("/health", responses={503: {"description": "compiling, or the engine has stopped"}})
+    @app.get("/health", responses={503: {"description": "starting (loading and compiling), or the engine has stopped"}})
     def health() -> JSONResponse:
         engine = server.engine
         if engine is None:
-            return JSONResponse({"status": "compiling"}, 503)
+            done, total = server.compiled
+            return JSONResponse({"status": "starting", "compiled": done, "steps": total}, 503)
         if engine.failure is not None:
             return JSONResponse({"status": "stopped", "error": repr(engine.failure)}, 503)
         return JSONResponse({"status": "ok"})

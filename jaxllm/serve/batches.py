@@ -33,6 +33,7 @@ class DecodeBatch(NamedTuple):
     table: np.ndarray  # [B, pages] the row's pages
     logprobs: Any  # a bool: report log-probs (their top-k over the vocab costs as much as sampling)
     allowed: np.ndarray  # [B, words] int32 bitmask of the tokens a row may draw
+    drafts: np.ndarray  # [B, K] tokens proposed to follow the fed one, verified in this step (-1: none); K may be 0
 
 
 class PrefillBatch(NamedTuple):
@@ -75,19 +76,26 @@ def _padded(rows: int, slots: int, width: int, words: int) -> tuple:
 
 
 def decode_batch(
-    sequences: list[Sequence], masks: dict[Sequence, np.ndarray], rows: int, width: int, slots: int, words: int
+    sequences: list[Sequence],
+    masks: dict[Sequence, np.ndarray],
+    rows: int,
+    width: int,
+    slots: int,
+    words: int,
+    drafts: int = 0,
 ) -> DecodeBatch:
-    """`sequences` (those in `masks` constrained by their mask) padded to `rows` rows and tables of
-    `width` pages; `slots` is the scratch slot."""
+    """`sequences` (those in `masks` constrained by their mask) padded to `rows` rows, tables of
+    `width` pages and `drafts` proposed tokens a row (each sequence's `draft`); `slots` is the
+    scratch slot."""
     slot, index, table, allowed = _padded(rows, slots, width, words)
-    positions = np.full(rows, -1, np.int32)
+    positions, proposed = np.full(rows, -1, np.int32), np.full((rows, drafts), -1, np.int32)
     for r, s in enumerate(sequences):
         slot[r], positions[r], index[r] = s.slot, s.position, s.issued
-        table[r, : len(s.pages)] = s.pages
+        table[r, : len(s.pages)], proposed[r, : len(s.draft)] = s.pages, s.draft
         if s in masks:
             allowed[r] = masks[s]
     logprobs = any(s.generation.request.logprobs is not None for s in sequences)
-    return DecodeBatch(slot, positions, index, table, np.bool_(logprobs), allowed)
+    return DecodeBatch(slot, positions, index, table, np.bool_(logprobs), allowed, proposed)
 
 
 def prefill_batch(rows: list[PrefillRow], count: int, size: int, width: int, slots: int, words: int) -> PrefillBatch:

@@ -9,7 +9,10 @@ log-probs): the device runs the new step while the host does that work. A sequen
 in the step just read costs one discarded token in the step already dispatched. A constrained
 sequence (a structured output) waits for its last token to be read before it decodes again, as
 its grammar's mask for the next token depends on it: it decodes every other step, and its mask
-is computed while the device runs the step between. `serve_forever()` steps in a thread of its
+is computed while the device runs the step between. A speculating sequence (`serve.speculative`)
+waits for its tokens too, as its next draft follows from them: each of its steps feeds its next
+token and the draft after it, and streams as many tokens as the model accepts, and one more.
+`serve_forever()` steps in a thread of its
 own while other threads (or an event loop) submit and read.
 
 A request can fail only itself: whatever serving one request raises (its admission, sampling
@@ -41,6 +44,7 @@ from jaxllm.serve.guards import PerplexityAlarm
 from jaxllm.serve.pages import PagePool
 from jaxllm.serve.scheduler import Chunk, Scheduler, Sequence, State
 from jaxllm.serve.settings import ServeConfig
+from jaxllm.serve.speculation import lookup
 
 log = logging.getLogger("jaxllm.serve")
 
@@ -71,6 +75,7 @@ class Dispatched:
     draws: list[tuple[int, Sequence, int]]  # (row, sequence, index of the output token drawn)
     scored: list[tuple[int, Chunk]] = dataclasses.field(default_factory=list)
     decode_bytes: float = 0.0
+    drafted: list[int] = dataclasses.field(default_factory=list)  # each row's draft tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +92,9 @@ class Stats:
     preemptions: int
     restarts: int  # caches rebuilt after a failed step
     bandwidth_use: float  # of one device's memory bandwidth, over recent decode steps (0 before any)
+    drafts: int  # drafts verified since start (one per sequence and step)
+    draft_tokens: int  # tokens they proposed
+    accepted_tokens: int  # of those, the tokens the model accepted
 
 
 class Engine:
@@ -123,6 +131,7 @@ class Engine:
         self.steps_run = 0
         self.profiler = None  # with `before(step)` and `after(step, pending)`: traces steps A..B (--profile-steps)
         self._bandwidth_use, self._last_decode_read = 0.0, None
+        self.drafts = self.draft_tokens = self.accepted_tokens = 0  # speculative decoding's totals
         self.clock = time.perf_counter  # times decode steps for the bandwidth gauge
 
     def submit(
@@ -161,7 +170,7 @@ class Engine:
         return Stats(
             self.queued(), len(self.scheduler.running), self.pool.in_use() / self.pool.capacity, self.pool.cached(),
             self.scheduler.prefix_hits, self.scheduler.prefix_misses, self.pool.page_size, self.scheduler.preemptions,
-            self.restarts, self._bandwidth_use,
+            self.restarts, self._bandwidth_use, self.drafts, self.draft_tokens, self.accepted_tokens,
         )  # fmt: skip
 
     def serve_forever(self, stop: threading.Event, on_step: Callable[[int], None] = lambda rows: None) -> None:
@@ -194,6 +203,7 @@ class Engine:
     def _step(self) -> int:
         self._take_incoming()
         self._drop_ended()
+        self._propose()
         plan = self.scheduler.plan()
         self._queued = len({s.generation for s in self.scheduler.waiting if s.issued == 0 and s.choice == 0})
         dispatched = []
@@ -216,6 +226,30 @@ class Engine:
             incoming, self._incoming = self._incoming, []
         for generation in incoming:
             self._sequences[generation] = self.scheduler.add(generation, self.settings.prompt_nll)
+            for sequence in self._sequences[generation]:  # a grammar's mask is for one token at a time
+                sequence.speculates = self.settings.speculative != "off" and not generation.matchers
+
+    def _propose(self) -> None:
+        """A draft for each speculating sequence whose every token is read back (see
+        `speculation`), never past its max_tokens; one that finds none backs off."""
+        s = self.settings
+        for sequence in self.scheduler.running:
+            sequence.draft = []
+            synced = sequence.issued == len(sequence.output)
+            if sequence.speculates and sequence.state is State.DECODE and synced:
+                room = min(s.draft_tokens, sequence.generation.request.max_tokens - sequence.issued - 1)
+                if room > 0 and sequence.issued >= sequence.resume_at:
+                    sequence.draft = lookup(sequence.prompt + sequence.output, room, s.ngram_max, s.ngram_min)
+                    if not sequence.draft:
+                        self._back_off(sequence)
+
+    @staticmethod
+    def _back_off(sequence: Sequence) -> None:
+        """After a proposal that found nothing or had nothing accepted: propose nothing for the
+        next 1, 2, 4, ... 32 tokens (misses in a row), decoding them without waiting for each to
+        be read, as text that does not repeat decodes at the pace it would without speculation."""
+        sequence.resume_at = sequence.issued + 2 ** min(sequence.misses, 5)
+        sequence.misses += 1
 
     def _drop_ended(self) -> None:
         """Requests whose client went away, or past their deadline, end and free their pages."""
@@ -235,11 +269,13 @@ class Engine:
             return None
         width = Buckets.fit(max(len(s.pages) for s in sequences), self.buckets.pages)
         rows = Buckets.fit(len(sequences), self.buckets.rows)
-        pending = self.device.decode(decode_batch(sequences, masks, rows, width, self.slots, self.words))
+        drafts = self.settings.draft_tokens if any(s.draft for s in sequences) else 0
+        pending = self.device.decode(decode_batch(sequences, masks, rows, width, self.slots, self.words, drafts))
         draws = [(row, s, s.issued) for row, s in enumerate(sequences)]
+        decode_bytes = self.device.decode_bytes([s.position + 1 for s in sequences])
         for s in sequences:
-            s.issued += 1
-        return Dispatched(pending, draws, decode_bytes=self.device.decode_bytes([s.position + 1 for s in sequences]))
+            s.issued += 1 + len(s.draft)
+        return Dispatched(pending, draws, decode_bytes=decode_bytes, drafted=[len(s.draft) for s in sequences])
 
     def _mask(self, sequence: Sequence) -> np.ndarray:
         """The tokens a constrained sequence may draw next, as a bitmask row."""
@@ -282,10 +318,35 @@ class Engine:
             if sequence.state is State.DONE or index != len(sequence.output):
                 continue  # it ended after the step was dispatched
             with self._serving(generation):
-                if generation._push(sequence.choice, int(tokens.ids[row]), self._logprob(generation, tokens, row)):
+                if tokens.ids.ndim == 1:
+                    logprob = self._logprob(generation, tokens, row)
+                    finished = generation._push(sequence.choice, int(tokens.ids[row]), logprob)
+                else:
+                    finished = self._push_verified(sequence, Tokens(*(a[row] for a in tokens)), step.drafted[row])
+                if finished:
                     self.scheduler.finish(sequence)
                     if generation.done:
                         del self._sequences[generation]
+
+    def _push_verified(self, sequence: Sequence, tokens: Tokens, drafted: int) -> bool:
+        """Streams a verify step's row (its accepted draft tokens and the one after, -1 past them);
+        True once the sequence has finished. Otherwise the pages taken for rejected tokens go back."""
+        ids = [t for t in tokens.ids.tolist() if t >= 0]
+        if drafted:
+            self.drafts, self.draft_tokens, self.accepted_tokens = (
+                self.drafts + 1, self.draft_tokens + drafted, self.accepted_tokens + len(ids) - 1,
+            )  # fmt: skip
+        generation = sequence.generation
+        for j, token in enumerate(ids):
+            if generation._push(sequence.choice, token, self._logprob(generation, tokens, j)):
+                return True
+        sequence.issued -= drafted - (len(ids) - 1)  # the rejected ones (a row may have later steps on their way)
+        self.scheduler.trim(sequence)
+        if drafted and len(ids) == 1:
+            self._back_off(sequence)
+        elif drafted:
+            sequence.misses = 0
+        return False
 
     def _measure_bandwidth(self, decode_bytes: float) -> None:
         """The bytes a decode step read over the time since the last decode step's read: the

@@ -5,7 +5,9 @@ serving dtype and read straight into the serving shardings."""
 
 from __future__ import annotations
 
+import os
 import pathlib
+import time
 from typing import Any
 
 import jax
@@ -21,7 +23,7 @@ from jaxllm.serve.constraints import mask_words
 from jaxllm.serve.engine import Engine
 from jaxllm.serve.generation import Limits
 from jaxllm.serve.guards import PerplexityAlarm
-from jaxllm.serve.runner import Runner
+from jaxllm.serve.runner import Progress, Runner
 from jaxllm.serve.settings import ServeConfig, Serving, serving_config
 
 SERVE = "serve."
@@ -48,23 +50,48 @@ def serving_setup(
     return serving_config(cfg, settings, jax.local_device_count(), jax.default_backend()), saved_tokenizer
 
 
-def start_engine(path: str | pathlib.Path, serving: Serving, tokenizer: Tokenizer) -> Engine:
-    """Reads the params at `path` into the serving shardings and compiles every step."""
+def use_compile_cache(setting: str | None, workdir: str | pathlib.Path | None) -> pathlib.Path | None:
+    """Points JAX's persistent compilation cache at serve.compile_cache's directory (by default
+    $JAX_COMPILATION_CACHE_DIR, else `workdir`/xla-cache for a run, else ~/.cache/jaxllm/xla-cache),
+    keeping every executable however quick it compiles: a server compiles a hundred small ones.
+    None if 'off'."""
+    if setting == "off":
+        return None
+    default = pathlib.Path(workdir) / "xla-cache" if workdir else pathlib.Path.home() / ".cache/jaxllm/xla-cache"
+    directory = pathlib.Path(setting or os.environ.get("JAX_COMPILATION_CACHE_DIR") or default)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return directory
+
+
+def start_engine(
+    path: str | pathlib.Path, serving: Serving, tokenizer: Tokenizer, progress: Progress = lambda done, total: None
+) -> Engine:
+    """Reads the params at `path` into the serving shardings and compiles every step (telling
+    `progress` of each)."""
     s, model = serving.settings, serving.model
     mesh = make_mesh(serving.parallel, jax.local_devices()[: s.tensor])
     _, params, step = load_params(pathlib.Path(path), mesh, s.dtype, quantize=model.quantize)
     weights = f"int8 weights, {s.dtype} compute" if model.quantize else s.dtype
     print(f"serve: step {step} of {pathlib.Path(path).absolute()}, {weights}, {s.kv_dtype} KV cache, tensor "
           f"parallel over {s.tensor}", flush=True)  # fmt: skip
-    return build_engine(params, serving, tokenizer, mesh)
+    started = time.perf_counter()
+    engine = build_engine(params, serving, tokenizer, mesh, progress)
+    steps = len(engine.device.decode_steps) + len(engine.device.prefill_steps)
+    print(f"serve: {steps} steps ready in {time.perf_counter() - started:.1f} s, {engine.device.steps_cached} of them "
+          "read from the compilation cache", flush=True)  # fmt: skip
+    return engine
 
 
-def build_engine(params: dict, serving: Serving, tokenizer: Tokenizer, mesh: Mesh) -> Engine:
+def build_engine(
+    params: dict, serving: Serving, tokenizer: Tokenizer, mesh: Mesh, progress: Progress = lambda done, total: None
+) -> Engine:
     """The engine's host side over a `Runner` of `params` (in `mesh`'s shardings), every step compiled."""
     s = serving.settings
     limits = Limits.of(serving, tokenizer)
     buckets = Buckets.of(s.slots, s.max_len, s.page_size, s.prefill_chunk)
-    runner = Runner(params, serving, mesh, buckets, limits.vocab_size, mask_words(tokenizer.vocab_size))
+    runner = Runner(params, serving, mesh, buckets, limits.vocab_size, mask_words(tokenizer.vocab_size), progress)
     salt = f"{serving.model}|{s.dtype}|{s.kv_dtype}"  # pages are shared only within one model and dtype
     return Engine(runner, s, limits, tokenizer, PerplexityAlarm(s.ppl_alarm, s.ppl_reject), salt)
 

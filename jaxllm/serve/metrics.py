@@ -105,6 +105,10 @@ class Metrics:
         self.engine_up = Gauge(
             "jaxllm_engine_up", "1 once the engine is ready, 0 while compiling or stopped.", registry=r
         )
+        self.startup = Gauge(
+            "jaxllm_startup_seconds", "From the server's start to its engine's readiness (loading the params and "
+            "compiling every step, or reading them from the compilation cache).", registry=r,
+        )  # fmt: skip
         labels = {"model_name": model_name, "engine": "0"}
 
         def vllm(kind, name: str, documentation: str, **kwargs):
@@ -123,6 +127,15 @@ class Metrics:
             buckets=VLLM_REQUEST,
         )  # fmt: skip
         self.vllm_kv_cache_usage = vllm(Gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.spec_acceptance = Gauge(
+            "jaxllm_spec_acceptance_rate", "Of the tokens speculative decoding proposed since start, the fraction "
+            "the model accepted.", registry=r,
+        )  # fmt: skip
+        self.vllm_spec_decode = _Totals(r, labels, {
+            "vllm:spec_decode_num_drafts": "Number of spec decoding drafts.",
+            "vllm:spec_decode_num_draft_tokens": "Number of draft tokens.",
+            "vllm:spec_decode_num_accepted_tokens": "Number of accepted tokens.",
+        })  # fmt: skip
         self.vllm_prefix_cache = _Totals(r, labels, {
             "vllm:prefix_cache_queries": "Prefix cache queries, in terms of number of queried tokens.",
             "vllm:prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens.",
@@ -162,3 +175,7 @@ class Metrics:
         self.prefix_cache_misses.set(misses)
         self.vllm_prefix_cache.set("vllm:prefix_cache_queries", (hits + misses) * stats.page_size)
         self.vllm_prefix_cache.set("vllm:prefix_cache_hits", hits * stats.page_size)
+        self.spec_acceptance.set(stats.accepted_tokens / max(stats.draft_tokens, 1))
+        for name, total in (("drafts", stats.drafts), ("draft_tokens", stats.draft_tokens),
+                            ("accepted_tokens", stats.accepted_tokens)):  # fmt: skip
+            self.vllm_spec_decode.set(f"vllm:spec_decode_num_{name}", total)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from functools import partial
 
 import jax
@@ -50,11 +51,25 @@ def copy_bandwidth() -> float:
     return x.nbytes / best
 
 
+CACHE_HIT = "/jax/compilation_cache/cache_hits"
+Progress = Callable[[int, int], None]  # (steps compiled, steps in all)
+
+
 class Runner:
     """Runs `serving.model` with `params` (in `mesh`'s shardings) over a cache of the shapes in
-    `buckets`; tokens are drawn below `vocab_size`, from masks of `words` int32 words a row."""
+    `buckets`; tokens are drawn below `vocab_size`, from masks of `words` int32 words a row.
+    `progress` hears of each step compiled."""
 
-    def __init__(self, params: dict, serving: Serving, mesh: Mesh, buckets: Buckets, vocab_size: int, words: int):
+    def __init__(
+        self,
+        params: dict,
+        serving: Serving,
+        mesh: Mesh,
+        buckets: Buckets,
+        vocab_size: int,
+        words: int,
+        progress: Progress = lambda done, total: None,
+    ):
         self.params, self.mesh, self.buckets, self.words = params, mesh, buckets, words
         self.settings = s = serving.settings
         self.model = Model(serving.model)  # built once: every step binds its graph to the params
@@ -63,7 +78,7 @@ class Runner:
             pool = NamedSharding(mesh, logical_spec(AXES))  # an int8 cache's scales too (their head_dim is 1)
             self._shardings = (pool, NamedSharding(mesh, P()))
             self.reset()
-            self._compile()
+            self._compile(progress)
         device = mesh.devices.flat[0]
         # What one device reads in a decode step, for the achieved-bandwidth gauge.
         self.weight_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(params))
@@ -81,10 +96,11 @@ class Runner:
         self.pools = jax.device_put((cache.keys, cache.values), pool)
         self.slots_state = jax.device_put(Slots.empty(s.slots), replicated)
 
-    def _compile(self) -> None:
+    def _compile(self, progress: Progress) -> None:
         """Every step the engine will run, compiled now, each with its outputs' shardings fixed and
-        the cache and slot state donated: a decode step per (rows, table width) bucket, a prefill
-        step per (rows, chunk length, table width) bucket."""
+        the cache and slot state donated: a decode step per (rows, table width) bucket (and, with
+        speculative decoding, one verifying serve.draft_tokens drafts a row), a prefill step per
+        (rows, chunk length, table width) bucket."""
         b, pool, replicated = self.buckets, *self._shardings
         out = ((pool, pool), replicated)
         common = dict(model=self.model, vocab_size=self.vocab_size)
@@ -92,19 +108,38 @@ class Runner:
         prefill_step = partial(prefill, logprobs=self.settings.prompt_nll, **common)
         prefill_step = jax.jit(prefill_step, out_shardings=(*out, replicated, replicated), donate_argnums=(1, 2))
         state, slots, page_size = (self.pools, self.slots_state), self.settings.slots, self.settings.page_size
-        self.decode_steps, self.prefill_steps = {}, {}  # compiled, by (rows, pages) and (rows, chunk, pages)
-        for width in b.pages:
-            for rows in b.rows:
-                batch = decode_batch([], {}, rows, width, slots, self.words)
-                self.decode_steps[rows, width] = decode_step.lower(self.params, *state, batch).compile()
-            for chunk in (c for c in b.chunks if width * page_size >= c):
-                for rows in b.prefill_rows(chunk):
-                    batch = prefill_batch([], rows, chunk, width, slots, self.words)
-                    self.prefill_steps[rows, chunk, width] = prefill_step.lower(self.params, *state, batch).compile()
+        drafts = [0, self.settings.draft_tokens] if self.settings.speculative != "off" else [0]
+        decodes = [(rows, width, k) for width in b.pages for rows in b.rows for k in drafts]
+        prefills = [
+            (rows, chunk, width)
+            for width in b.pages
+            for chunk in b.chunks
+            if width * page_size >= chunk
+            for rows in b.prefill_rows(chunk)
+        ]
+        total = len(decodes) + len(prefills)
+        hits = []  # executables read from the persistent compilation cache instead of compiled
+
+        def count_hit(event: str, **_) -> None:
+            if event == CACHE_HIT:
+                hits.append(event)
+
+        jax.monitoring.register_event_listener(count_hit)
+        self.decode_steps, self.prefill_steps = {}, {}  # by (rows, pages, drafts) and (rows, chunk, pages)
+        for rows, width, k in decodes:
+            batch = decode_batch([], {}, rows, width, slots, self.words, k)
+            self.decode_steps[rows, width, k] = decode_step.lower(self.params, *state, batch).compile()
+            progress(len(self.decode_steps), total)
+        for rows, chunk, width in prefills:
+            batch = prefill_batch([], rows, chunk, width, slots, self.words)
+            self.prefill_steps[rows, chunk, width] = prefill_step.lower(self.params, *state, batch).compile()
+            progress(len(self.decode_steps) + len(self.prefill_steps), total)
+        jax.monitoring.unregister_event_listener(count_hit)
+        self.steps_cached = len(hits)
 
     def decode(self, batch: DecodeBatch) -> Pending:
         """Dispatches a compiled decode step (its bucket from the batch's shapes)."""
-        step = self.decode_steps[batch.table.shape]
+        step = self.decode_steps[(*batch.table.shape, batch.drafts.shape[1])]
         self.pools, self.slots_state, tokens = step(self.params, self.pools, self.slots_state, batch)
         return Pending(tokens)
 
@@ -122,4 +157,3 @@ class Runner:
     def decode_bytes(self, contexts: list[int]) -> float:
         """Bytes one device reads in a decode step over sequences of `contexts` tokens."""
         return self.weight_bytes + self.kv_bytes_per_token * sum(contexts)
-

@@ -3,7 +3,8 @@
 Each choice of a request is a `Sequence`. It waits in line, is admitted when a slot and the pages
 for its prompt are free (sharing cached full pages of a prompt seen before), prefills in chunks
 of at most the step's token budget (several short prompts in one chunk batch), then decodes one
-token a step, taking a page whenever it crosses into one. When no page is left for a decoding
+token a step (and, speculating, its draft's tokens after it), taking a page whenever it crosses
+into one; the pages of rejected draft tokens go back once the step is read. When no page is left for a decoding
 sequence, the newest sequence is preempted: its pages go back to the pool and it waits at the
 head of the line, to prefill its prompt and output so far again (recompute, as vLLM does) and go
 on where it stopped; its draws depend only on the request's seed and the token's index, so its
@@ -44,6 +45,10 @@ class Sequence:
     issued: int = 0  # output tokens dispatched, read back or not
     scores_prompt: bool = False  # its first prefill computes each prompt token's log-prob, so reads every one
     scored: Any = None  # those log-probs (`Tokens`), as its chunks come back
+    speculates: bool = False  # drafts tokens for its next steps (see `speculation`)
+    draft: list[int] = dataclasses.field(default_factory=list)  # proposed to follow its next token
+    resume_at: int = 0  # a speculating sequence proposes nothing before this output index ...
+    misses: int = 0  # ... after this many proposals in a row found nothing, or nothing accepted
 
     @property
     def prompt(self) -> list[int]:
@@ -60,9 +65,11 @@ class Sequence:
         return self.generation.streams[self.choice].tokens
 
     def wants_tokens(self) -> bool:
-        """Decoding, short of max_tokens, and (if constrained: its grammar's mask follows from its
-        last token) with every token read back."""
-        ready = not self.generation.matchers or self.issued == len(self.output)
+        """Decoding, short of max_tokens, and (if constrained, or speculating: its grammar's mask,
+        or its draft, follows from its last token) with every token read back; a speculating
+        sequence that proposes nothing before `resume_at` runs ahead until then."""
+        synced = self.issued == len(self.output)
+        ready = synced or not (self.generation.matchers or self.speculates) or self.issued < self.resume_at
         return self.state is State.DECODE and self.issued < self.generation.request.max_tokens and ready
 
 
@@ -127,6 +134,12 @@ class Scheduler:
             self._let_go(sequence)
         sequence.state = State.DONE
 
+    def trim(self, sequence: Sequence) -> None:
+        """Gives back the pages past a sequence's next position (taken for rejected draft tokens)."""
+        keep = self.pool.pages_for(sequence.position + 1)
+        self.pool.release(sequence.pages[keep:])
+        del sequence.pages[keep:]
+
     def _let_go(self, sequence: Sequence) -> None:
         self.running.remove(sequence)
         self.pool.release(sequence.pages)
@@ -141,7 +154,8 @@ class Scheduler:
 
     def _grow(self) -> list[Sequence]:
         for sequence in list(self.running):
-            while sequence.wants_tokens() and len(sequence.pages) < self.pool.pages_for(sequence.position + 1):
+            last = sequence.position + len(sequence.draft)  # where the step's last token goes
+            while sequence.wants_tokens() and len(sequence.pages) < self.pool.pages_for(last + 1):
                 if taken := self.pool.take(1):
                     sequence.pages += taken
                 else:

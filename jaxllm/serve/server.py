@@ -33,7 +33,8 @@ UPPER_BOUNDS = ("less_than", "less_than_equal", "too_long")  # pydantic's error 
 
 @dataclasses.dataclass
 class Server:
-    """`engine` is None until it has compiled every step."""
+    """`engine` is None until it has compiled every step; `compiled` says how far it is: (steps
+    compiled, steps in all)."""
 
     settings: ServeConfig
     limits: Limits
@@ -44,6 +45,7 @@ class Server:
     api_keys: frozenset[str]
     metrics: Metrics
     engine: Engine | None = None
+    compiled: tuple[int, int] = (0, 0)
 
     def __post_init__(self):
         self.grammars = Grammars(self.tokenizer)
@@ -76,7 +78,9 @@ class Server:
 
     def ready(self) -> Engine:
         if self.engine is None:
-            raise ApiError(503, "the model is still compiling; retry shortly", "unavailable", retry_after=5)
+            done, total = self.compiled
+            raise ApiError(503, f"the server is starting ({done} of {total} steps compiled); retry shortly",
+                           "unavailable", retry_after=5)  # fmt: skip
         if self.engine.failure is not None:
             raise ApiError(503, f"the engine has stopped ({self.engine.failure!r}); restart the server", "unavailable")
         return self.engine

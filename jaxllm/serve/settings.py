@@ -38,7 +38,17 @@ class ServeConfig(Section):
     attention: Literal["xla", "pallas"] | None = field(
         None, "decode attention over the pages: 'pallas' (JAX's paged kernel, GPUs) or 'xla' (None: pallas on GPUs)"
     )
+    speculative: Literal["off", "ngram"] = field(
+        "off", "speculative decoding: 'ngram' proposes the tokens that followed the context's last few tokens where "
+        "they occurred before (prompt lookup), verified in one step; outputs are distributed as without it"
+    )  # fmt: skip
+    draft_tokens: int = field(4, "tokens proposed a step with serve.speculative")
+    ngram_max: int = field(4, "the longest run of last tokens 'ngram' looks up")
+    ngram_min: int = field(2, "and the shortest: shorter runs recur by chance and propose tokens that are rejected")
     tensor: int = field(-1, "devices for tensor parallelism (-1: as many local ones as split the heads evenly)")
+    compile_cache: str | None = field(None, "JAX's persistent compilation cache, so a restart loads its steps instead "
+                                            "of compiling them (None: WORKDIR/xla-cache for a run, else "
+                                            "~/.cache/jaxllm/xla-cache; 'off': none)")  # fmt: skip
     prompt_nll: bool = field(False, "each prompt token's log-prob (the LM head over every prompt token)")
     host: str = field("127.0.0.1", "where the HTTP server listens")
     port: int = field(8000, "and on which port")
@@ -73,6 +83,11 @@ class ServeConfig(Section):
         require(self.max_queue >= 0, f"serve.max_queue={self.max_queue} must be at least 0")
         for name in ("request_timeout_s", "body_timeout_s"):
             require(getattr(self, name) > 0, f"serve.{name}={getattr(self, name)} must be above 0 (seconds)")
+        require(self.draft_tokens >= 1, f"serve.draft_tokens={self.draft_tokens} must be at least 1")
+        require(
+            1 <= self.ngram_min <= self.ngram_max,
+            f"serve.ngram_min={self.ngram_min} and serve.ngram_max={self.ngram_max} must satisfy 1 <= min <= max",
+        )
         restarts = self.max_engine_restarts
         require(restarts >= 0, f"serve.max_engine_restarts={restarts} must be at least 0")
         require(

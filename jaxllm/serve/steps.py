@@ -4,7 +4,9 @@ of `batches`' named batches.
 `prefill` reads a chunk of up to T tokens for each of B rows (a prompt whole, or a piece of a
 long one) into the pages each row's table names, attending to what those pages already hold;
 a row whose chunk ends its prompt samples its first token. `decode` advances B decoding rows by
-one token each. Both take each row's slot, a row of `Slots`: the token it feeds next and its
+one token each, or, given up to K proposed tokens a row (speculative decoding), feeds them after
+it in the same step and keeps those the model would have drawn (`sampling.verify`) and one more:
+one read of the weights for several tokens. Both take each row's slot, a row of `Slots`: the token it feeds next and its
 sampling settings stay on the device, so one decode step can be dispatched before the host has
 read the last one's tokens. B, T and the table's width come in a few bucket sizes (`buckets`),
 each compiled when the engine starts. A row draws only tokens its mask allows (a structured
@@ -23,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.model.cache import KVCache
 from jaxllm.model.decoder import Model
-from jaxllm.model.sampling import Sampling, sample
+from jaxllm.model.sampling import Sampling, sample, verify
 from jaxllm.serve.batches import DecodeBatch, PrefillBatch
 from jaxllm.serve.generation import TOP_LOGPROBS, Tokens
 
@@ -66,17 +68,38 @@ def _replicated(logits: jax.Array) -> jax.Array:
 
 
 def decode(params: dict, pools: Pools, slots: Slots, batch: DecodeBatch, *, model: Model, vocab_size: int):
-    """One token for each row of `batch`: (pools, slots, `Tokens`, with log-probs if the batch asks)."""
-    rows, positions = batch.slots, batch.positions
-    tokens = slots.last[rows]
-    logits, cache = model.extend(params, tokens[:, None], positions[:, None], KVCache(*pools, batch.table))
-    logits = _replicated(logits[:, -1])
-    ids = sample(logits, jax.tree.map(lambda a: a[rows], slots.sampling), batch.index, vocab_size, batch.allowed)
-    slots = slots._replace(last=slots.last.at[rows].set(ids))
-    out = jax.lax.cond(
-        batch.logprobs, partial(_tokens, vocab_size=vocab_size), lambda _, ids: _without_logprobs(ids), logits, ids
-    )
+    """A token for each row of `batch`, after its accepted drafts if it has any: (pools, slots,
+    `Tokens` with log-probs if the batch asks). Without drafts (K = 0) the tokens are [B]; with
+    them [B, K + 1], each row's output in order and -1 past its end. Keys and values of rejected
+    drafts stay in the pages past the row's position, where nothing reads them before a later
+    token overwrites them."""
+    rows, positions, drafts = batch.slots, batch.positions, batch.drafts
+    k = drafts.shape[1]
+    fed = jnp.concatenate([slots.last[rows][:, None], jnp.maximum(drafts, 0)], axis=1)  # [B, K + 1]
+    j = jnp.arange(k + 1)[None]
+    live = (j <= jnp.sum(drafts >= 0, axis=1, keepdims=True)) & (positions[:, None] >= 0)
+    logits, cache = model.extend(params, fed, jnp.where(live, positions[:, None] + j, -1), KVCache(*pools, batch.table))
+    logits = _replicated(logits)
+    sampling = jax.tree.map(lambda a: a[rows], slots.sampling)
+    if k:
+        ids, accepted = verify(logits, drafts, sampling, batch.index, vocab_size, batch.allowed)
+        last = jnp.take_along_axis(ids, accepted[:, None], axis=1)[:, 0]
+        ids = jnp.where(j <= accepted[:, None], ids, -1)
+    else:
+        logits, ids = logits[:, 0], sample(logits[:, 0], sampling, batch.index, vocab_size, batch.allowed)
+        last = ids
+    slots = slots._replace(last=slots.last.at[rows].set(last))
+    tokens = partial(_tokens, vocab_size=vocab_size)
+    with_logprobs = partial(_over_positions, tokens) if k else tokens
+    out = jax.lax.cond(batch.logprobs, with_logprobs, lambda _, ids: _without_logprobs(ids), logits, ids)
     return (cache.keys, cache.values), slots, out
+
+
+def _over_positions(tokens, logits: jax.Array, ids: jax.Array) -> Tokens:
+    """`tokens(logits, ids)` for [B, T, vocab] logits and [B, T] ids, as [B, T] `Tokens`."""
+    b, length, vocab = logits.shape
+    out = tokens(logits.reshape(b * length, vocab), ids.reshape(-1))
+    return jax.tree.map(lambda a: a.reshape(b, length, *a.shape[1:]), out)
 
 
 def prefill(
@@ -94,9 +117,7 @@ def prefill(
     if logprobs:
         logits, cache = model.extend(params, tokens, positions, cache)
         logits = _replicated(logits)
-        b, length, vocab = logits.shape
-        prompt = _tokens(logits.reshape(b * length, vocab), batch.following.reshape(-1), vocab_size)
-        prompt = jax.tree.map(lambda a: a.reshape(b, length, *a.shape[1:]), prompt)
+        prompt = _over_positions(partial(_tokens, vocab_size=vocab_size), logits, batch.following)
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     else:
         logits, cache = model.extend(params, tokens, positions, cache, logits_at=lengths - 1)

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+import httpx
 import jax
 import numpy as np
 import openai
@@ -84,11 +85,24 @@ def served(tmp_path_factory):
     ]  # fmt: skip
     log = root / "server.log"
     with serve_process(["--workdir", workdir], log, *flags) as (port, statuses):
-        assert (503, 0) in statuses and statuses[-1] == (200, 1), f"up before it compiled: {set(statuses)}"
+        assert (503, 0) in [s[:2] for s in statuses] and statuses[-1][:2] == (200, 1), f"up early: {statuses}"
+        _check_start_up(statuses, log.read_text(), cached=False)
         sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
         tokenizer = load_saved_tokenizer(workdir / "tokenizer")
         yield {"client": Client(port), "sdk": sdk, "workdir": workdir, "log": log, "port": port,
-               "tokenizer": tokenizer}  # fmt: skip
+               "tokenizer": tokenizer, "flags": flags}  # fmt: skip
+
+
+def _check_start_up(statuses, log: str, cached: bool) -> None:
+    """While it starts, /health says so with the steps compiled so far, counting up to all of
+    them; the log gives the start-up time, and how many steps the compilation cache held."""
+    starting = [body for status, _, body in statuses if status == 503]
+    assert starting and all(body["status"] == "starting" for body in starting)
+    compiled = [body["compiled"] for body in starting]
+    assert compiled == sorted(compiled) and all(body["compiled"] <= body["steps"] for body in starting)
+    steps, read = map(int, re.search(r"serve: (\d+) steps ready in [\d.]+ s, (\d+) of them read from", log).groups())
+    assert steps > 10 and read == (steps if cached else 0), log
+    assert re.search(r"ready at http://127\.0\.0\.1:\d+/v1 in [\d.]+ s", log)
 
 
 @pytest.fixture(scope="module")
@@ -572,6 +586,17 @@ def test_malformed_flood_leaves_the_server_as_it_was(served):
     assert client.request("GET", "/health", key=None)[0] == 200
     wait_for(lambda: _idle(client))
     assert greedy(served["sdk"], PROMPT, 16).choices[0].text == before
+
+
+def test_a_restart_reads_every_step_from_the_compilation_cache(served, tmp_path):
+    """The same server started again over the run: every step comes from WORKDIR/xla-cache, and
+    /metrics exports the start-up time."""
+    log = tmp_path / "server.log"
+    with serve_process(["--workdir", served["workdir"]], log, *served["flags"]) as (port, statuses):
+        startup = metric_values(httpx.get(f"http://127.0.0.1:{port}/metrics").text)["jaxllm_startup_seconds"]
+    assert f"compilation cache {served['workdir'] / 'xla-cache'}" in log.read_text()
+    _check_start_up(statuses, log.read_text(), cached=True)
+    assert startup > 0
 
 
 def test_a_port_in_use_is_refused_before_loading(served):

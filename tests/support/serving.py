@@ -4,6 +4,7 @@ failing step) and still speak HTTP to it as clients do."""
 
 import contextlib
 import http.client
+import json
 import socket
 import subprocess
 import sys
@@ -75,8 +76,8 @@ def _get(port: int, path: str) -> tuple[int, bytes]:
 @contextlib.contextmanager
 def serve_process(source: list, log, *flags):
     """`python -m jaxllm.serve SOURCE FLAGS` (SOURCE: e.g. --workdir RUN) on a free port of
-    127.0.0.1, once /health says 200; yields the port and the (status, engine_up) pairs that
-    /health and /metrics gave while it compiled."""
+    127.0.0.1, once /health says 200; yields the port and the (status, engine_up, /health's body)
+    that /health and /metrics gave while it started."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -88,8 +89,9 @@ def serve_process(source: list, log, *flags):
     def healthy():
         assert process.poll() is None, log.read_text()
         try:
-            status = _get(port, "/health")[0]
-            statuses.append((status, metric_values(_get(port, "/metrics")[1].decode())["jaxllm_engine_up"]))
+            status, body = _get(port, "/health")
+            up = metric_values(_get(port, "/metrics")[1].decode())["jaxllm_engine_up"]
+            statuses.append((status, up, json.loads(body)))
         except ConnectionRefusedError:
             return False
         return status == 200

@@ -1,14 +1,18 @@
 """Sampling against numpy: greedy, temperature, top-k and top-p supports and frequencies, and
 temperature with top-k and top-p together; a draw depends on its request only, never on its slot
-or neighbours; padded ids are never drawn."""
+or neighbours; padded ids are never drawn. Verification of proposed tokens against the exact
+distribution of sampling token by token."""
+
+import collections
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.stats
 
 from jaxllm.config import ConfigError, RunConfig
-from jaxllm.model.sampling import Sampling, sample
+from jaxllm.model.sampling import Sampling, sample, verify
 
 PROBS = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
 VOCAB = len(PROBS)
@@ -114,3 +118,77 @@ def test_a_request_draws_the_same_alone_or_among_others():
 def test_bad_sample_settings_are_refused(field, value):
     with pytest.raises(ConfigError, match="0 < top_p <= 1"):
         RunConfig().updated(train={field: value})
+
+
+def _verify_draws(logits: np.ndarray, drafts: list[int], rows: int, **settings) -> list[tuple[int, ...]]:
+    """Each of `rows` requests (seeds 0..rows-1) verifies `drafts` against the same `logits` [K + 1,
+    vocab]: the tokens it outputs."""
+    one = Sampling.one(**settings)
+    batch = Sampling(*(jnp.full((rows,), v[0]) for v in one))._replace(seed=jnp.arange(rows, dtype=jnp.uint32))
+    logits = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (rows, *logits.shape))
+    drafted = jnp.broadcast_to(jnp.asarray(drafts, jnp.int32), (rows, len(drafts)))
+    tokens, accepted = verify(logits, drafted, batch, jnp.zeros(rows, jnp.int32), logits.shape[-1])
+    rows_out = zip(np.asarray(tokens).tolist(), np.asarray(accepted).tolist(), strict=True)
+    return [tuple(row[: a + 1]) for row, a in rows_out]
+
+
+def _target(probs: np.ndarray, drafts: list[int]) -> dict[tuple[int, ...], float]:
+    """The exact distribution of a verification's output, written as plain sampling reads it: token
+    j follows p_j; the output goes on past position j only where token j is draft j."""
+    outcomes: dict[tuple[int, ...], float] = {}
+
+    def extend(prefix: tuple[int, ...], weight: float) -> None:
+        j = len(prefix)
+        for token, p in enumerate(probs[j]):
+            if p > 0:
+                goes_on = j < len(drafts) and token == drafts[j]
+                (extend if goes_on else outcomes.__setitem__)((*prefix, token), weight * p)
+
+    extend((), 1.0)
+    return outcomes
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (1.3, 4, 0.95)])
+def test_verified_tokens_follow_the_targets_distribution(temperature, top_k, top_p):
+    """Speculative sampling is lossless: the output of verifying a likely and an unlikely draft
+    follows, by a chi-squared test, the distribution of sampling token by token."""
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(3, VOCAB))
+    drafts = [int(np.argmax(logits[0])), int(np.argsort(logits[1])[-3])]
+    probs = []
+    for row in logits / temperature:
+        keep = np.isin(np.arange(VOCAB), list(_support(np.exp(row) / np.exp(row).sum(), top_k, top_p)))
+        p = np.where(keep, np.exp(row), 0)
+        probs.append(p / p.sum())
+    want = _target(np.array(probs), drafts)
+    assert len(want) >= 8  # outcomes that stop at each position
+    drawn = _verify_draws(logits, drafts, 20000, temperature=temperature, top_k=top_k, top_p=top_p)
+    counts = collections.Counter(drawn)
+    assert set(counts) <= set(want)
+    outcomes = sorted(want)
+    observed = np.array([counts[o] for o in outcomes])
+    expected = np.array([want[o] for o in outcomes]) * len(drawn)
+    assert scipy.stats.chisquare(observed, expected).pvalue > 1e-3
+
+
+def test_greedy_verification_is_greedy_decoding():
+    """A greedy row keeps its drafts while each is the argmax, then corrects the first that is not."""
+    logits = np.random.default_rng(4).normal(size=(4, VOCAB))
+    best = logits.argmax(-1).tolist()
+    for drafts, want in [
+        (best[:3], best),
+        ([best[0], (best[1] + 1) % VOCAB, best[2]], best[:2]),
+        ([(best[0] + 1) % VOCAB, best[1], best[2]], best[:1]),
+    ]:
+        assert _verify_draws(logits, drafts, 1, temperature=0.0) == [tuple(want)]
+
+
+def test_a_row_without_drafts_draws_as_plain_sampling():
+    logits = np.random.default_rng(5).normal(size=(2, VOCAB))
+    rows = 64
+    plain = Sampling(*(jnp.full((rows,), v[0]) for v in Sampling.one(temperature=1.0)))._replace(
+        seed=jnp.arange(rows, dtype=jnp.uint32)
+    )
+    want = sample(jnp.broadcast_to(jnp.asarray(logits[0], jnp.float32), (rows, VOCAB)), plain, jnp.zeros(rows), VOCAB)
+    drawn = _verify_draws(logits, [-1], rows, temperature=1.0)
+    assert [d[0] for d in drawn] == np.asarray(want).tolist() and all(len(d) == 1 for d in drawn)

@@ -1,0 +1,101 @@
+"""Speculative decoding by prompt lookup (serve.speculative=ngram) against plain decoding, at one
+busy sequence, side by side in one process, on a trained run (`--workdir`, e.g. the Quickstart's,
+whose model learnt the Python standard library's sources) or, without one, on `bench_serve.py`'s
+Llama-shaped model (random weights, GPT-2 tokenizer), whose decode step is bound by reading its
+weights as a large model's is (its greedy text repeats itself rather than its prompt):
+
+1. code continuation: the opening of standard-library modules, continued greedily;
+2. summarisation-style: a passage of the library's documentation, then "In short," and a
+   greedy continuation, which quotes the passage where it can;
+3. nothing repeats: prompts of random tokens, sampled at temperature 1, whose output repeats
+   neither the prompt nor itself.
+
+Each line is the two engines' tokens/s over the same requests (the median of --repeats runs after
+a warm-up), their ratio, and the fraction of proposed tokens the model accepted.
+
+    python scripts/bench_speculative.py [--workdir runs/tiny] [--new 128] [--repeats 3] [--draft-tokens 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import pathlib
+import re
+
+import numpy as np
+from bench_serve import model_config, seconds
+
+MODULES = ("textwrap", "shlex", "fnmatch", "colorsys")
+
+
+def _source(module: str) -> str:
+    return pathlib.Path(importlib.util.find_spec(module).origin).read_text()
+
+
+def prompt_sets(tokenizer, prompt_tokens: int) -> dict[str, list[tuple[list[int], float]]]:
+    """(prompt, temperature) for each kind of text."""
+    code = [tokenizer.encode(_source(m))[-prompt_tokens * 3 : -prompt_tokens * 2] for m in MODULES]
+    docs = [re.search(r'"""(.*?)"""', _source(m), re.S).group(1) for m in MODULES]
+    summaries = [tokenizer.encode(d)[: prompt_tokens - 8] + tokenizer.encode("\n\nIn short, ") for d in docs]
+    rng = np.random.default_rng(0)
+    random = [rng.integers(0, tokenizer.vocab_size, prompt_tokens).tolist() for _ in MODULES]
+    return {
+        "code continuation": [(p, 0.0) for p in code],
+        "summarisation-style": [(p, 0.0) for p in summaries],
+        "nothing repeats": [(p, 1.0) for p in random],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", help="a training run (the Quickstart's: runs/tiny); default: random weights")
+    parser.add_argument("--new", type=int, default=128, help="tokens each request decodes")
+    parser.add_argument("--prompt-tokens", type=int, default=96)
+    parser.add_argument("--draft-tokens", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    import jax
+
+    from jaxllm.data.tokenizer import get_tokenizer
+    from jaxllm.parallel.mesh import make_mesh
+    from jaxllm.serve.generation import Request
+    from jaxllm.serve.load import build_engine, load_engine
+    from jaxllm.serve.settings import ServeConfig, serving_config
+    from jaxllm.train.step import init_params
+
+    settings = {"slots": 4, "max_len": args.prompt_tokens + args.new + 8}
+    speculation = {"speculative": "ngram", "draft_tokens": args.draft_tokens}
+    if args.workdir:
+        plain = load_engine(args.workdir, {f"serve.{k}": v for k, v in settings.items()})
+        speculative = load_engine(args.workdir, {f"serve.{k}": v for k, v in {**settings, **speculation}.items()})
+    else:
+        tokenizer = get_tokenizer("gpt2")
+        cfg = model_config(512, 8, tokenizer.vocab_size)
+        params = init_params(cfg)
+
+        def engine(**serve):
+            serving = serving_config(cfg, ServeConfig(**serve), 1)
+            return build_engine(params, serving, tokenizer, make_mesh(serving.parallel, jax.devices()[:1]))
+
+        plain, speculative = engine(**settings), engine(**settings, **speculation)
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {args.new} new tokens a request, one request at "
+          f"a time; ngram {speculative.settings.ngram_min}..{speculative.settings.ngram_max}, "
+          f"{args.draft_tokens} draft tokens")  # fmt: skip
+    for kind, prompts in prompt_sets(speculative.tokenizer, args.prompt_tokens).items():
+        requests = [Request(p, args.new, temperature=t, seed=i, ignore_eos=True) for i, (p, t) in enumerate(prompts)]
+
+        def run(engine, requests=requests):
+            return lambda: [engine.generate([r]) for r in requests]
+
+        drafted, accepted = speculative.draft_tokens, speculative.accepted_tokens
+        base, fast = seconds(run(plain), args.repeats), seconds(run(speculative), args.repeats)
+        rate = (speculative.accepted_tokens - accepted) / max(speculative.draft_tokens - drafted, 1)
+        tokens = len(requests) * args.new
+        print(f"{kind:>20}: plain {tokens / base:6.1f} tokens/s, ngram {tokens / fast:6.1f} tokens/s: "
+              f"{base / fast:.2f}x; {rate:.2f} of proposed tokens accepted")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

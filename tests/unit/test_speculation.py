@@ -1,0 +1,138 @@
+"""Speculative decoding by prompt lookup (serve.speculative=ngram) against plain decoding of the
+same checkpoint: greedy outputs are identical token for token, with the same log-probs, on one
+device and tensor-parallel over two, with the prefix cache, under preemption and with stop strings;
+a sampled request's output depends on its request alone; drafts are accepted, the pages of
+rejected ones go back, and /metrics counts them. (That sampled tokens follow the target's
+distribution exactly is `test_sampling`'s, at the verification itself.)"""
+
+import httpx
+import numpy as np
+import pytest
+from support.serving import http_server, metric_values
+
+from jaxllm.config import ConfigError
+from jaxllm.serve.generation import Request
+from jaxllm.serve.load import load_engine
+from jaxllm.serve.scheduler import State
+from jaxllm.serve.settings import ServeConfig
+from jaxllm.serve.speculation import lookup
+
+SERVE = {"serve.slots": 4, "model.max_seq_len": 256, "serve.max_len": 160, "serve.prefill_chunk": 32,
+         "serve.dtype": "float32"}  # fmt: skip
+NGRAM = {"serve.speculative": "ngram", "serve.draft_tokens": 3, "serve.ngram_min": 1}
+
+
+@pytest.fixture(scope="module")
+def engines(trained):
+    built = {}
+
+    def get(**settings):
+        key = tuple(sorted(settings.items()))
+        if key not in built:
+            built[key] = load_engine(trained[0], {**SERVE, **settings})
+        return built[key]
+
+    return get
+
+
+def _prompts(tokenizer) -> list[list[int]]:
+    """Text that repeats (code, a list) beside text that does not."""
+    code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
+    rng = np.random.default_rng(0)
+    return [tokenizer.encode(code), tokenizer.encode("[1, 2, 3], [1, 2, 3], [1, 2"), rng.integers(0, 300, 40).tolist()]
+
+
+def _outputs(engine, requests):
+    return [[(c.tokens, c.finish_reason, c.logprobs) for c in g.choices()] for g in engine.generate(requests)]
+
+
+def _same(plain, speculative):
+    """Equal tokens and finish reasons, and log-probs equal to float precision."""
+    for p_choices, s_choices in zip(plain, speculative, strict=True):
+        for (p_tokens, p_reason, p_logs), (s_tokens, s_reason, s_logs) in zip(p_choices, s_choices, strict=True):
+            assert (s_tokens, s_reason) == (p_tokens, p_reason)
+            for p, s in zip(p_logs, s_logs, strict=True):
+                np.testing.assert_allclose(s.logprob, p.logprob, atol=1e-4)
+                assert [t for t, _ in s.top[:3]] == [t for t, _ in p.top[:3]]
+
+
+@pytest.mark.parametrize("tensor", [1, 2])
+def test_greedy_speculation_is_greedy_decoding_token_for_token(trained, engines, tensor):
+    tokenizer = trained[2]
+    small_pages = {"serve.tensor": tensor, "serve.page_size": 4}  # drafts often cross into a page
+    plain, speculative = engines(**small_pages), engines(**small_pages, **NGRAM)
+    requests = [Request(p, 48, temperature=0.0, ignore_eos=True, logprobs=3) for p in _prompts(tokenizer)]
+    accepted = speculative.accepted_tokens
+    generations = [speculative.submit(r) for r in requests]
+    while speculative.busy():
+        speculative.step()
+        for s in speculative.scheduler.running:  # read back: no page past its next position
+            if s.state is State.DECODE and s.issued == len(s.output):
+                assert len(s.pages) <= speculative.pool.pages_for(s.position + 1)
+    got = [[(c.tokens, c.finish_reason, c.logprobs) for c in g.choices()] for g in generations]
+    _same(_outputs(plain, requests), got)
+    assert speculative.accepted_tokens > accepted and speculative.pool.in_use() == 0
+    assert speculative.device.mesh.shape["tensor"] == tensor
+
+
+def test_speculation_ends_at_stop_strings_as_plain_decoding_does(trained, engines):
+    tokenizer = trained[2]
+    plain, speculative = engines(), engines(**NGRAM)
+    prompt = _prompts(tokenizer)[0]
+    free = plain.generate([Request(prompt, 48, temperature=0.0, ignore_eos=True)])[0].choices()[0]
+    stop = free.text[len(free.text) // 2 :][:3]  # somewhere a draft may run past
+    requests = [Request(prompt, 48, temperature=0.0, ignore_eos=True, stop=(stop,))]
+    _same(_outputs(plain, requests), _outputs(speculative, requests))
+    assert speculative.generate(requests)[0].choices()[0].finish_reason == "stop"
+
+
+def test_preempted_speculating_sequences_resume_with_their_output(trained, engines):
+    """A pool too small for four growing requests: sequences are preempted mid-speculation and
+    prefill again; greedy ones equal plain decoding, sampled ones their own output alone."""
+    tokenizer = trained[2]
+    small = {"serve.kv_pages": 16, "serve.max_len": 128}
+    plain, speculative = engines(**small), engines(**small, **NGRAM)
+    prompts = _prompts(tokenizer)
+    requests = [Request(prompts[r % 3][:40], 80, temperature=0.0 if r % 2 else 0.8, seed=r, ignore_eos=True)
+                for r in range(4)]  # fmt: skip
+    together = _outputs(speculative, requests)
+    assert speculative.scheduler.preemptions > 0 and speculative.pool.in_use() == 0
+    greedy = [r for r in range(4) if requests[r].temperature == 0]
+    _same([_outputs(plain, [requests[r]])[0] for r in greedy], [together[r] for r in greedy])
+    for r in range(4):
+        _same([together[r]], _outputs(speculative, [requests[r]]))
+
+
+def test_a_sampled_request_speculates_the_same_alone_or_among_others(trained, engines):
+    tokenizer = trained[2]
+    speculative = engines(**NGRAM)
+    requests = [Request(p, 32, temperature=0.7, top_p=0.9, seed=5, ignore_eos=True) for p in _prompts(tokenizer)]
+    together = _outputs(speculative, requests)
+    assert [_outputs(speculative, [r])[0] for r in requests] == together
+
+
+def test_the_metrics_count_drafts_and_accepted_tokens(trained, engines):
+    tokenizer = trained[2]
+    engine = engines(**NGRAM)
+    with http_server(engine) as (url, _):
+        body = {"model": "m", "prompt": tokenizer.decode(_prompts(tokenizer)[1]), "max_tokens": 24, "temperature": 0}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=120).status_code == 200
+        metrics = metric_values(httpx.get(f"{url}/metrics").text)
+    drafted, accepted = (metrics[f"vllm:spec_decode_num_{n}_total[0][m]"] for n in ("draft_tokens", "accepted_tokens"))
+    assert (drafted, accepted) == (engine.draft_tokens, engine.accepted_tokens) and 0 < accepted <= drafted
+    assert metrics["jaxllm_spec_acceptance_rate"] == pytest.approx(accepted / drafted)
+
+
+def test_lookup_proposes_what_followed_the_longest_latest_match():
+    assert lookup([1, 2, 3, 4, 5, 1, 2, 3], 3, 4, 2) == [4, 5, 1]  # "1 2 3" matched, three after it
+    assert lookup([7, 2, 3, 9, 1, 2, 3, 8, 2, 3], 2, 4, 2) == [8, 2]  # the latest "2 3"
+    assert lookup([5, 6, 9, 1, 5, 6, 7, 4, 5, 6], 2, 3, 2) == [7, 4]
+    assert lookup([1, 2, 3, 4], 3, 4, 2) == [] and lookup([1, 2, 3, 1], 3, 4, 2) == []  # only a single token repeats
+    assert lookup([1, 2, 3, 1], 3, 4, 1) == [2, 3, 1]
+
+
+def test_bad_speculation_settings_are_refused():
+    with pytest.raises(ConfigError, match="ngram_min"):
+        ServeConfig(ngram_min=3, ngram_max=2)
+    with pytest.raises(ConfigError, match="draft_tokens"):
+        ServeConfig(draft_tokens=0)
