@@ -11,9 +11,11 @@ weights as a large model's is (its greedy text repeats itself rather than its pr
    neither the prompt nor itself.
 
 Each line is the two engines' tokens/s over the same requests (the median of --repeats runs after
-a warm-up), their ratio, and the fraction of proposed tokens the model accepted.
+a warm-up, the two engines' runs taking turns so that the machine's drift falls on both), their
+ratio, the fraction of proposed tokens the model accepted and of output tokens that came from
+verify steps.
 
-    python scripts/bench_speculative.py [--workdir runs/tiny] [--new 128] [--repeats 3] [--draft-tokens 4]
+    python scripts/bench_speculative.py [--workdir runs/tiny] [--new 128] [--repeats 3] [--draft-tokens 8]
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ import argparse
 import importlib.util
 import pathlib
 import re
+import statistics
+import time
 
 import numpy as np
-from bench_serve import model_config, seconds
+from bench_serve import model_config
 
 MODULES = ("textwrap", "shlex", "fnmatch", "colorsys")
 
@@ -52,7 +56,7 @@ def main() -> None:
     parser.add_argument("--workdir", help="a training run (the Quickstart's: runs/tiny); default: random weights")
     parser.add_argument("--new", type=int, default=128, help="tokens each request decodes")
     parser.add_argument("--prompt-tokens", type=int, default=96)
-    parser.add_argument("--draft-tokens", type=int, default=4)
+    parser.add_argument("--draft-tokens", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
@@ -86,15 +90,22 @@ def main() -> None:
     for kind, prompts in prompt_sets(speculative.tokenizer, args.prompt_tokens).items():
         requests = [Request(p, args.new, temperature=t, seed=i, ignore_eos=True) for i, (p, t) in enumerate(prompts)]
 
-        def run(engine, requests=requests):
-            return lambda: [engine.generate([r]) for r in requests]
+        def run(engine, requests=requests) -> float:
+            start = time.perf_counter()
+            for r in requests:
+                engine.generate([r])
+            return time.perf_counter() - start
 
-        drafted, accepted = speculative.draft_tokens, speculative.accepted_tokens
-        base, fast = seconds(run(plain), args.repeats), seconds(run(speculative), args.repeats)
-        rate = (speculative.accepted_tokens - accepted) / max(speculative.draft_tokens - drafted, 1)
+        before = speculative.drafts, speculative.draft_tokens, speculative.accepted_tokens
+        times = [(run(plain), run(speculative)) for _ in range(args.repeats + 1)][1:]  # after a warm-up
+        base, fast = (statistics.median(t) for t in zip(*times, strict=True))
+        now = speculative.drafts, speculative.draft_tokens, speculative.accepted_tokens
+        drafts, drafted, accepted = (a - b for a, b in zip(now, before, strict=True))
         tokens = len(requests) * args.new
+        verified = (drafts + accepted) / (tokens * (args.repeats + 1))  # each verify step: its accepted tokens and one
         print(f"{kind:>20}: plain {tokens / base:6.1f} tokens/s, ngram {tokens / fast:6.1f} tokens/s: "
-              f"{base / fast:.2f}x; {rate:.2f} of proposed tokens accepted")  # fmt: skip
+              f"{base / fast:.2f}x; {accepted / max(drafted, 1):.2f} of proposed tokens accepted, "
+              f"{verified:.2f} of tokens from verify steps")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ class ServeConfig(Section):
         "off", "speculative decoding: 'ngram' proposes the tokens that followed the context's last few tokens where "
         "they occurred before (prompt lookup), verified in one step; outputs are distributed as without it"
     )  # fmt: skip
-    draft_tokens: int = field(4, "tokens proposed a step with serve.speculative")
+    draft_tokens: int = field(8, "tokens proposed a step with serve.speculative")
     ngram_max: int = field(4, "the longest run of last tokens 'ngram' looks up")
     ngram_min: int = field(2, "and the shortest: shorter runs recur by chance and propose tokens that are rejected")
     tensor: int = field(-1, "devices for tensor parallelism (-1: as many local ones as split the heads evenly)")

@@ -124,11 +124,13 @@ def test_the_metrics_count_drafts_and_accepted_tokens(trained, engines):
 
 
 def test_lookup_proposes_what_followed_the_longest_latest_match():
-    assert lookup([1, 2, 3, 4, 5, 1, 2, 3], 3, 4, 2) == [4, 5, 1]  # "1 2 3" matched, three after it
+    assert lookup([1, 2, 3, 4, 5, 6, 1, 2, 3], 3, 4, 2) == [4, 5, 6]  # "1 2 3" matched, three after it
     assert lookup([7, 2, 3, 9, 1, 2, 3, 8, 2, 3], 2, 4, 2) == [8, 2]  # the latest "2 3"
     assert lookup([5, 6, 9, 1, 5, 6, 7, 4, 5, 6], 2, 3, 2) == [7, 4]
     assert lookup([1, 2, 3, 4], 3, 4, 2) == [] and lookup([1, 2, 3, 1], 3, 4, 2) == []  # only a single token repeats
     assert lookup([1, 2, 3, 1], 3, 4, 1) == [2, 3, 1]
+    assert lookup([9, 1, 2, 1, 2], 5, 4, 2) == [1, 2, 1, 2, 1]  # a loop goes on around itself
+    assert lookup([1, 2, 3, 4, 5, 1, 2, 3], 4, 4, 2) == [4, 5, 1, 2]
 
 
 def test_bad_speculation_settings_are_refused():
