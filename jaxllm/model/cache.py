@@ -89,7 +89,7 @@ def read(pool: Entries, layer: jax.Array, table: jax.Array) -> Entries:
     P × page_size, d] (a gather of those pages alone)."""
 
     def rows(p):
-        pages = jnp.take(p[layer], table, axis=0)  # [b, P, kv_heads, page_size, d]
+        pages = p[layer, table]  # [b, P, kv_heads, page_size, d]: one gather, no copy of the layer
         b, width, kv_heads, page_size, d = pages.shape
         return pages.swapaxes(1, 2).reshape(b, kv_heads, width * page_size, d)
 

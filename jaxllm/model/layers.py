@@ -227,6 +227,45 @@ def _kernel_pages(entries: Entries) -> tuple[jax.Array, jax.Array | None]:
     return entries, None
 
 
+BLOCK_TOKENS = 256  # positions one step of `blockwise_paged_attention` reads: its copy stays small
+
+
+def blockwise_paged_attention(
+    q: jax.Array, keys: Entries, values: Entries, layer: jax.Array, table: jax.Array, positions: jax.Array
+) -> jax.Array:
+    """New tokens q [b, t, heads, d] at `positions` [b, t] (-1: padding) over the pages `table`
+    [b, P] names in `layer` of the pools (see `cache`), causally: a loop over blocks of the
+    table's pages that stops after the last block any row has live, with an online softmax (fp32)
+    across blocks. Each step copies one block of pages, never the whole table's, and the work
+    follows the longest live row, not the table's width."""
+    b, t, nh, d = q.shape
+    page_size = jax.tree.leaves(keys)[0].shape[3]
+    block = math.gcd(table.shape[1], max(1, BLOCK_TOKENS // page_size))  # pages a step reads
+    span = block * page_size
+    kv = jax.tree.leaves(keys)[0].shape[2]
+    q = q.reshape(b, t, kv, nh // kv, d)
+
+    def step(i, carry):
+        top, total, out = carry  # running max and sum of exp(score) [b, kv, g, t]; the weighted values
+        pages = jax.lax.dynamic_slice_in_dim(table, i * block, block, axis=1)
+        (k, k_scale), (v, v_scale) = (_cached(read(pool, layer, pages), q.dtype) for pool in (keys, values))
+        scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32) * k_scale / jnp.sqrt(d)
+        live = i * span + jnp.arange(span) <= positions[:, None, None, :, None]  # [b, 1, 1, t, span]
+        scores = jnp.where(live, scores, NEG_INF)
+        new_top = jnp.maximum(top, scores.max(-1))
+        weights = jnp.exp(scores - new_top[..., None])
+        fade = jnp.exp(top - new_top)
+        values_read = jnp.einsum("bkgts,bksd->bkgtd", (weights * v_scale).astype(v.dtype), v)
+        return new_top, total * fade + weights.sum(-1), out * fade[..., None] + values_read
+
+    zeros = (q.astype(jnp.float32) * 0).transpose(0, 2, 3, 1, 4)  # [b, kv, g, t, d]; in a shard_map, varying as q is
+    start = (zeros[..., 0] + NEG_INF, zeros[..., 0], zeros)
+    steps = jnp.clip(-(-(jnp.max(positions) + 1) // span), 1, table.shape[1] // block)
+    _, total, out = jax.lax.fori_loop(0, steps, step, start)
+    out = (out / total[..., None]).astype(q.dtype)  # [b, kv, g, t, d]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, nh, d)
+
+
 def cached_attention(
     x: jax.Array,
     qkv: dict,
@@ -242,17 +281,15 @@ def cached_attention(
 ) -> tuple[jax.Array, Entries, Entries]:
     """Attention of new tokens at `positions` [b, t] (consecutive per row; -1: padding) over the
     pages `table` [b, P] names in `layer` of the pools (see `cache`), with their own keys and
-    values written in first: (output, keys, values). The XLA path gathers the table's pages (the
-    longest row's, padded); `implementation` 'pallas' runs single-token steps through the paged
-    kernel instead."""
+    values written in first: (output, keys, values). The XLA path reads the pages a block at a
+    time (`blockwise_paged_attention`); `implementation` 'pallas' runs single-token steps through JAX's
+    paged kernel instead."""
     q, k, v = _project_qkv(x, qkv, rope, project)
     keys, values = (write(pool, encode(new, pool), layer, table, positions) for pool, new in ((keys, k), (values, v)))
     if implementation == "pallas" and q.shape[1] == 1:
         ctx = paged_decode_attention(q, keys, values, layer, table, positions)
     else:
-        k_pages, v_pages = read(keys, layer, table), read(values, layer, table)  # [b, kv, P × page, d]
-        causal = jnp.arange(jax.tree.leaves(k_pages)[0].shape[2])[None, None] <= positions[:, :, None]
-        ctx = attend(q, k_pages, v_pages, causal[:, None], kv_layout="bksd")
+        ctx = blockwise_paged_attention(q, keys, values, layer, table, positions)
     (out,) = project(ctx, (o_proj,), "bthd,hde->bte")
     return out, keys, values
 

@@ -4,10 +4,11 @@ pipeline onto tensor-parallel meshes of 1, 2 and 4 devices: sixteen requests of 
 every decode step each one's log-probs equal a full recompute on one device, and each generates
 the same tokens alone as among the others, greedy and sampled, with the prefix cache on (tensor
 2 and 4) and off (tensor 1), and when pages run out and sequences are preempted. Pages go back to
-the pool when requests end or are cancelled; a decode step's work follows its table's width, not
-the pool or serve.max_len; nothing compiles while serving; the stop ids a model's
-generation_config.json names end requests unshown; the Pallas paged-attention kernel (in its
-interpreter) equals the XLA path."""
+the pool when requests end or are cancelled; a decode step costs no more for a larger pool, and
+its attention, a block of pages at a time, equals attention over the gathered pages and copies
+no table of them; nothing compiles while serving; the stop ids a model's generation_config.json
+names end requests unshown; the Pallas paged-attention kernel (in its interpreter) equals the
+XLA path."""
 
 import collections
 import contextlib
@@ -33,7 +34,7 @@ from jaxllm.data.tokenizer import get_tokenizer
 from jaxllm.model.cache import Int8, KVCache, read
 from jaxllm.model.decoder import Model
 from jaxllm.model.int8 import symmetric_int8
-from jaxllm.model.layers import attend, paged_decode_attention
+from jaxllm.model.layers import attend, blockwise_paged_attention, paged_decode_attention
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.serve.batches import DecodeBatch
 from jaxllm.serve.buckets import Buckets
@@ -280,11 +281,33 @@ def _decode_cost(model, pages: int, width: int, rows: int = 8):
     return compiled.cost_analysis()["flops"], compiled.memory_analysis().temp_size_in_bytes
 
 
-def test_a_decode_step_costs_its_tables_width_not_the_pools_size():
+def test_a_decode_step_copies_no_table_of_pages_and_costs_no_more_for_a_larger_pool():
+    """Its flops and temporaries are the same over a pool of 1k or 32k tokens, and its
+    temporaries the same over a table of 16 or 256 pages: attention reads a block of pages at a
+    time, never a copy of the table's pages (which at 256 pages of 8 rows would be 4 MB)."""
     model = small_config().model.replace(max_seq_len=4096)
     small, large = _decode_cost(model, 65, 16), _decode_cost(model, 2049, 16)  # 1k and 32k tokens of pool
     assert small == large
-    assert _decode_cost(model, 65, 64)[0] > small[0]
+    assert _decode_cost(model, 2049, 256)[1] <= small[1]
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_blockwise_paged_attention_equals_attention_over_the_gathered_pages(kv_dtype, tokens):
+    """Over 32 pages of 16 (two blocks), rows at different lengths (one padding), one new token
+    or five (a verify step's): the same as `attend` over every page of the table gathered."""
+    rng = np.random.default_rng(0)
+    kv, layers, pages, d, heads = 2, 3, 120, 32, 8
+    pools = [jnp.asarray(rng.normal(size=(layers, pages, kv, 16, d)), jnp.float32) for _ in range(2)]
+    if kv_dtype == "int8":
+        pools = [Int8(*symmetric_int8(p, (-1,), keepdims=True)) for p in pools]
+    table = jnp.asarray(rng.permutation(np.arange(1, pages))[:96].reshape(3, 32), jnp.int32)
+    positions = jnp.asarray([[5 + i for i in range(tokens)], [300 + i for i in range(tokens)], [-1] * tokens])
+    q, layer = jnp.asarray(rng.normal(size=(3, tokens, heads, d)), jnp.float32), jnp.int32(1)
+    got = jax.jit(blockwise_paged_attention)(q, *pools, layer, table, positions)
+    causal = jnp.arange(32 * 16)[None, None] <= positions[:, :, None]
+    want = attend(q, *(read(p, layer, table) for p in pools), causal[:, None], kv_layout="bksd")
+    np.testing.assert_allclose(got[:2], want[:2], rtol=1e-5, atol=1e-5)
 
 
 def test_buckets_double_up_to_the_limits():
