@@ -369,7 +369,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=32, help="tokens generated per request in the decode benchmark")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--requests", type=int, default=32, help="requests per arrival rate")
-    parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0])
+    parser.add_argument("--rates", type=float, nargs="*", default=[0.5, 1.0, 2.0], help="none: no HTTP workload")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--source", default=str(ROOT), help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -291,22 +291,31 @@ def test_a_decode_step_copies_no_table_of_pages_and_costs_no_more_for_a_larger_p
     assert _decode_cost(model, 2049, 256)[1] <= small[1]
 
 
+def _paged_case(kv_dtype: str, pool_pages: int, width: int, positions: jax.Array):
+    """Random pools of 16-token pages (in `kv_dtype`), a table of `width` distinct pages a row,
+    grouped-query queries at `positions` [rows, t], and `attend` over the table's pages gathered:
+    (q, pools, layer, table, the reference)."""
+    rng = np.random.default_rng(0)
+    kv, layers, d, heads = 2, 3, 32, 8
+    pools = [jnp.asarray(rng.normal(size=(layers, pool_pages, kv, 16, d)), jnp.float32) for _ in range(2)]
+    if kv_dtype == "int8":
+        pools = [Int8(*symmetric_int8(p, (-1,), keepdims=True)) for p in pools]
+    rows, tokens = positions.shape
+    table = jnp.asarray(rng.permutation(np.arange(1, pool_pages))[: rows * width].reshape(rows, width), jnp.int32)
+    q, layer = jnp.asarray(rng.normal(size=(rows, tokens, heads, d)), jnp.float32), jnp.int32(1)
+    causal = jnp.arange(width * 16)[None, None] <= positions[:, :, None]
+    want = attend(q, *(read(p, layer, table) for p in pools), causal[:, None], kv_layout="bksd")
+    return q, pools, layer, table, want
+
+
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_blockwise_paged_attention_equals_attention_over_the_gathered_pages(kv_dtype, tokens):
     """Over 32 pages of 16 (two blocks), rows at different lengths (one padding), one new token
     or five (a verify step's): the same as `attend` over every page of the table gathered."""
-    rng = np.random.default_rng(0)
-    kv, layers, pages, d, heads = 2, 3, 120, 32, 8
-    pools = [jnp.asarray(rng.normal(size=(layers, pages, kv, 16, d)), jnp.float32) for _ in range(2)]
-    if kv_dtype == "int8":
-        pools = [Int8(*symmetric_int8(p, (-1,), keepdims=True)) for p in pools]
-    table = jnp.asarray(rng.permutation(np.arange(1, pages))[:96].reshape(3, 32), jnp.int32)
     positions = jnp.asarray([[5 + i for i in range(tokens)], [300 + i for i in range(tokens)], [-1] * tokens])
-    q, layer = jnp.asarray(rng.normal(size=(3, tokens, heads, d)), jnp.float32), jnp.int32(1)
+    q, pools, layer, table, want = _paged_case(kv_dtype, 120, 32, positions)
     got = jax.jit(blockwise_paged_attention)(q, *pools, layer, table, positions)
-    causal = jnp.arange(32 * 16)[None, None] <= positions[:, :, None]
-    want = attend(q, *(read(p, layer, table) for p in pools), causal[:, None], kv_layout="bksd")
     np.testing.assert_allclose(got[:2], want[:2], rtol=1e-5, atol=1e-5)
 
 
@@ -323,17 +332,9 @@ def test_buckets_double_up_to_the_limits():
 def test_the_pallas_paged_kernel_equals_the_xla_path(kv_dtype):
     """At 8 pages of 16 (a multi-block shape the engine compiles), grouped-query heads, rows at
     different lengths: in the Pallas interpreter, or as the GPU kernel where there is one."""
-    rng = np.random.default_rng(0)
-    kv, layers, pages, d, heads = 2, 3, 40, 32, 8
-    pools = [jnp.asarray(rng.normal(size=(layers, pages, kv, 16, d)), jnp.float32) for _ in range(2)]
-    if kv_dtype == "int8":
-        pools = [Int8(*symmetric_int8(p, (-1,), keepdims=True)) for p in pools]
-    table = jnp.asarray(rng.permutation(np.arange(1, pages))[:24].reshape(3, 8), jnp.int32)
-    positions, layer = jnp.asarray([[5], [70], [127]], jnp.int32), jnp.int32(1)
-    q = jnp.asarray(rng.normal(size=(3, 1, heads, d)), jnp.float32)
+    positions = jnp.asarray([[5], [70], [127]], jnp.int32)
+    q, pools, layer, table, want = _paged_case(kv_dtype, 40, 8, positions)
     got = paged_decode_attention(q, *pools, layer, table, positions, interpret=jax.default_backend() != "gpu")
-    causal = jnp.arange(8 * 16)[None, None] <= positions[:, :, None]
-    want = attend(q, *(read(p, layer, table) for p in pools), causal[:, None], kv_layout="bksd")
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
