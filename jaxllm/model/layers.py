@@ -260,8 +260,12 @@ def blockwise_paged_attention(
 
     zeros = (q.astype(jnp.float32) * 0).transpose(0, 2, 3, 1, 4)  # [b, kv, g, t, d]; in a shard_map, varying as q is
     start = (zeros[..., 0] + NEG_INF, zeros[..., 0], zeros)
-    steps = jnp.clip(-(-(jnp.max(positions) + 1) // span), 1, table.shape[1] // block)
-    _, total, out = jax.lax.fori_loop(0, steps, step, start)
+    blocks = table.shape[1] // block
+    if blocks == 1:  # no loop to stop early
+        _, total, out = step(0, start)
+    else:
+        steps = jnp.clip(-(-(jnp.max(positions) + 1) // span), 1, blocks)
+        _, total, out = jax.lax.fori_loop(0, steps, step, start)
     out = (out / total[..., None]).astype(q.dtype)  # [b, kv, g, t, d]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, nh, d)
 
