@@ -23,7 +23,7 @@ from jaxllm.serve.constraints import mask_words
 from jaxllm.serve.engine import Engine
 from jaxllm.serve.generation import Limits
 from jaxllm.serve.guards import PerplexityAlarm
-from jaxllm.serve.runner import Progress, Runner
+from jaxllm.serve.runner import Progress, Runner, no_progress
 from jaxllm.serve.settings import ServeConfig, Serving, serving_config
 
 SERVE = "serve."
@@ -66,7 +66,7 @@ def use_compile_cache(setting: str | None, workdir: str | pathlib.Path | None) -
 
 
 def start_engine(
-    path: str | pathlib.Path, serving: Serving, tokenizer: Tokenizer, progress: Progress = lambda done, total: None
+    path: str | pathlib.Path, serving: Serving, tokenizer: Tokenizer, progress: Progress = no_progress
 ) -> Engine:
     """Reads the params at `path` into the serving shardings and compiles every step (telling
     `progress` of each)."""
@@ -85,7 +85,7 @@ def start_engine(
 
 
 def build_engine(
-    params: dict, serving: Serving, tokenizer: Tokenizer, mesh: Mesh, progress: Progress = lambda done, total: None
+    params: dict, serving: Serving, tokenizer: Tokenizer, mesh: Mesh, progress: Progress = no_progress
 ) -> Engine:
     """The engine's host side over a `Runner` of `params` (in `mesh`'s shardings), every step compiled."""
     s = serving.settings

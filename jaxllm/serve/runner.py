@@ -55,6 +55,10 @@ CACHE_HIT = "/jax/compilation_cache/cache_hits"
 Progress = Callable[[int, int], None]  # (steps compiled, steps in all)
 
 
+def no_progress(done: int, total: int) -> None:
+    """A `Progress` that tells no one."""
+
+
 class Runner:
     """Runs `serving.model` with `params` (in `mesh`'s shardings) over a cache of the shapes in
     `buckets`; tokens are drawn below `vocab_size`, from masks of `words` int32 words a row.
@@ -68,7 +72,7 @@ class Runner:
         buckets: Buckets,
         vocab_size: int,
         words: int,
-        progress: Progress = lambda done, total: None,
+        progress: Progress = no_progress,
     ):
         self.params, self.mesh, self.buckets, self.words = params, mesh, buckets, words
         self.settings = s = serving.settings
@@ -125,16 +129,18 @@ class Runner:
                 hits.append(event)
 
         jax.monitoring.register_event_listener(count_hit)
-        self.decode_steps, self.prefill_steps = {}, {}  # by (rows, pages, drafts) and (rows, chunk, pages)
-        for rows, width, k in decodes:
-            batch = decode_batch([], {}, rows, width, slots, self.words, k)
-            self.decode_steps[rows, width, k] = decode_step.lower(self.params, *state, batch).compile()
-            progress(len(self.decode_steps), total)
-        for rows, chunk, width in prefills:
-            batch = prefill_batch([], rows, chunk, width, slots, self.words)
-            self.prefill_steps[rows, chunk, width] = prefill_step.lower(self.params, *state, batch).compile()
-            progress(len(self.decode_steps) + len(self.prefill_steps), total)
-        jax.monitoring.unregister_event_listener(count_hit)
+        try:
+            self.decode_steps, self.prefill_steps = {}, {}  # by (rows, pages, drafts) and (rows, chunk, pages)
+            for rows, width, k in decodes:
+                batch = decode_batch([], {}, rows, width, slots, self.words, k)
+                self.decode_steps[rows, width, k] = decode_step.lower(self.params, *state, batch).compile()
+                progress(len(self.decode_steps), total)
+            for rows, chunk, width in prefills:
+                batch = prefill_batch([], rows, chunk, width, slots, self.words)
+                self.prefill_steps[rows, chunk, width] = prefill_step.lower(self.params, *state, batch).compile()
+                progress(len(self.decode_steps) + len(self.prefill_steps), total)
+        finally:  # a failed compile leaves no listener behind
+            jax.monitoring.unregister_event_listener(count_hit)
         self.steps_cached = len(hits)
 
     def decode(self, batch: DecodeBatch) -> Pending:
