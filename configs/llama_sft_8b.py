@@ -1,6 +1,7 @@
 """LoRA fine-tuning of an 8B Llama (Llama 3.1 8B's architecture) on one 80 GB GPU: rank-16
-adapters on every projection train in fp32, the base weights stay frozen in bf16. Otherwise as
-configs/llama_sft.py (`--config.init.hf=DIR`, `data.inputs` required)."""
+adapters on every projection train in fp32, the base weights stay frozen in bf16
+(`--config.model.quantize=int8` holds them in int8 instead). Otherwise as configs/llama_sft.py
+(`--config.init.hf=DIR`, `data.inputs` required)."""
 
 import pathlib
 import runpy

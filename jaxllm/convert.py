@@ -30,6 +30,7 @@ from jaxllm.config import LoraConfig, ParallelConfig
 from jaxllm.data.tokenizer import HFTokenizer, has_saved_tokenizer, load_saved_tokenizer, save_tokenizer
 from jaxllm.errors import exit_on_error
 from jaxllm.model.decoder import Model
+from jaxllm.model.int8 import contracted_dims, dequantize
 from jaxllm.model.lora import adapter_path, fold, has_adapter
 from jaxllm.model.params import at_path, count
 from jaxllm.parallel.mesh import make_mesh
@@ -87,14 +88,15 @@ def to_hf(
               f"(PEFT, for the base model {stored.init.hf or 'it started from'})")  # fmt: skip
         return
 
-    def merged(path: tuple[str, ...]):  # a weight with its adapter folded in
-        if not has_adapter(specs, path):
-            return parameter(path)
-        return fold(parameter(path), parameter(adapter_path(path)), stored.model.lora.scale)
+    def merged(path: tuple[str, ...]):  # a weight with its adapter folded in; an int8 base's dequantized
+        weight = parameter(path)
+        if has_adapter(specs, path):
+            return fold(weight, parameter(adapter_path(path)), stored.model.lora.scale)
+        return dequantize(weight, contracted_dims(at_path(specs, path))) if isinstance(weight, dict) else weight
 
     saved = checkpoint / "tokenizer"
     saved_tokenizer = load_saved_tokenizer(saved, tokenizer) if tokenizer or has_saved_tokenizer(saved) else None
-    model, dtype = model.replace(lora=LoraConfig()), dtype or model.param_dtype
+    model, dtype = model.replace(lora=LoraConfig(), quantize=None), dtype or model.param_dtype
     files = write_hf(out, model, merged, saved_tokenizer, dtype, max_shard_bytes)
     print(f"to-hf: step {read['step']} of {checkpoint} → {out.absolute()}: {len(files)} safetensors file(s) in {dtype}")
     if model.qkv_share_every > 1:

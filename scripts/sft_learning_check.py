@@ -4,9 +4,10 @@
 
 A small model (2 layers, width 64, a 300-token BPE trained on the data) is first trained to copy
 a list of three distinct words from ten (`copy: fish door egg` → `fish door egg`), then
-fine-tuned three ways on reversing them (`reverse: ...` → `egg door fish`) in the
-prompt_completion format, by the training loop from prepared data: in full, with rank-8 LoRA, and
-in full with every instruction reworded (`say these backwards: ...`). Accuracy is the exact match
+fine-tuned four ways on reversing them (`reverse: ...` → `egg door fish`) in the
+prompt_completion format, by the training loop from prepared data: in full, with rank-8 LoRA, with
+rank-8 LoRA and dropout 0.05 on the base frozen in int8, and in full with every instruction
+reworded (`say these backwards: ...`). Accuracy is the exact match
 of the greedy completion and its end-of-text on 120 lists no run trains on, read off one forward
 pass: greedy decoding returns the reference iff each reference token is the argmax given the ones
 before it. Prints one JSON line: the accuracies, and the completion tokens each fine-tuning's data
@@ -40,6 +41,7 @@ BASE = ("copy", None, 200, 3e-3, {})  # task, instruction, steps, lr, model
 FINE_TUNINGS = {
     "full": ("reverse", None, 200, 3e-3, {}),
     "lora": ("reverse", None, 200, 1e-2, dict(lora=dict(rank=8, alpha=16.0))),
+    "lora-int8": ("reverse", None, 200, 1e-2, dict(lora=dict(rank=8, alpha=16.0, dropout=0.05), quantize="int8")),
     "reworded": ("reverse", "say these backwards", 200, 3e-3, {}),
 }
 

@@ -22,7 +22,7 @@ from jaxllm.checkpoint.hf.directory import read_hf_params, stored_hf_config
 from jaxllm.checkpoint.manager import UNREADABLE, CheckpointError, check_checksums, saved_config, saved_meta
 from jaxllm.config import ModelConfig, ParallelConfig, RunConfig
 from jaxllm.model.decoder import Model
-from jaxllm.model.int8 import int8_model, quantize_weight
+from jaxllm.model.int8 import int8_model, quantize_tree
 from jaxllm.model.lora import merge_adapters
 from jaxllm.model.params import at_path, is_spec, storage_dtype
 from jaxllm.parallel.mesh import make_mesh
@@ -46,14 +46,10 @@ def quantize_params(params: dict, model: ModelConfig, mesh: Mesh, dtype: Any) ->
     full, int8 = Model(model.replace(quantize=None)).specs, Model(int8_model(model)).specs
     target = abstract_params(int8, mesh, dtype)
 
-    def convert(spec, quantized, want, w):
-        if not spec.quantizable:
-            return w.astype(want.dtype)
-        contracted = [i for i, axis in enumerate(quantized["q"].axes) if axis not in quantized["scale"].axes]
-        return w if isinstance(w, dict) else quantize_weight(w, contracted)
+    def quantize(p: dict) -> dict:
+        return jax.tree.map(lambda want, w: w.astype(want.dtype), target, quantize_tree(p, full, int8))
 
-    shardings = jax.tree.map(lambda t: t.sharding, target)
-    quantize = jax.jit(lambda p: jax.tree.map(convert, full, int8, target, p, is_leaf=is_spec), out_shardings=shardings)
+    quantize = jax.jit(quantize, out_shardings=jax.tree.map(lambda t: t.sharding, target))
     return quantize(params)
 
 
@@ -110,8 +106,9 @@ def load_params(
     param_dtype); a checkpoint's optimizer state is never read. With `quantize="int8"`,
     full-precision params are quantized from their stored dtype (an int8 export's weights are
     read as they are) and the config says so. LoRA adapters are folded into their base weights
-    (W + a·b·alpha/rank) and the config has none. With `only` (a parameter's path, e.g.
-    ("embed",)), the params hold that one parameter as stored (not with `quantize`)."""
+    (W + a·b·alpha/rank, quantized again on an int8 base) and the config has none. With `only`
+    (a parameter's path, e.g. ("embed",)), the params hold that one parameter as stored (not with
+    `quantize`)."""
     path = pathlib.Path(path).absolute()
     mesh = mesh or make_mesh(ParallelConfig(data=1), jax.devices()[:1])
     if quantize is not None and only is not None:
@@ -132,6 +129,7 @@ def load_params(
     if cfg.model.lora.rank:
         params, model = merge_adapters(params, cfg.model)
         cfg = cfg.updated(model=model.to_dict())
+        quantize = quantize or model.quantize  # an int8 base's merged weights are quantized again
     if quantize is None:
         return cfg, params, step
     params = quantize_params(params, cfg.model, mesh, dtype or cfg.model.param_dtype)

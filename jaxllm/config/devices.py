@@ -59,9 +59,9 @@ def validate(cfg: RunConfig, num_devices: int, backend: str | None = None) -> tu
     m, p, t = cfg.model, cfg.parallel, cfg.train
     _validate_attention(cfg, backend)
     require(
-        m.quantize is None,
-        f"model.quantize={m.quantize!r} holds int8 weights, which serve but do not train; train in full "
-        "precision and serve with --quantize int8 (or export with --quantize int8)",
+        m.quantize is None or m.lora.rank > 0,
+        f"model.quantize={m.quantize!r} holds int8 weights, which do not train; fine-tune LoRA adapters on "
+        "the int8 base (model.lora.rank > 0), or train in full precision and serve with --quantize int8",
     )
     require(
         cfg.data.tokenizer != "bpe" or cfg.data.bpe_vocab_size <= m.vocab_size,

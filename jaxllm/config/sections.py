@@ -68,7 +68,7 @@ class LoraConfig(Section):
     name: ClassVar[str] = "model.lora"
     rank: int = field(0, "the adapters' rank (0: no adapters, every weight trains)")
     alpha: float = field(16.0, "the update's scale is alpha / rank")
-    dropout: float = field(0.0, "dropout on an adapter's input (only 0 is implemented)")
+    dropout: float = field(0.0, "the fraction of an adapter's input dropped while training (PEFT's lora_dropout)")
     targets: str = field("q,k,v,o,gate,up,down", "comma-separated projections among " + ", ".join(LORA_TARGETS))
 
     def __post_init__(self) -> None:
@@ -81,8 +81,8 @@ class LoraConfig(Section):
             + ", ".join(LORA_TARGETS),
         )
         require(
-            self.dropout == 0.0,
-            f"model.lora.dropout={self.dropout}: adapter dropout is not implemented; set model.lora.dropout=0",
+            0.0 <= self.dropout < 1.0,
+            f"model.lora.dropout={self.dropout} must be at least 0 and below 1 (the fraction dropped; 0: none)",
         )
 
     @property
@@ -120,7 +120,9 @@ class ModelConfig(Section):
     remat: RematPolicy = field("none", "what the backward pass recomputes")
     attention: AttentionKernel = field("xla", "'xla' (everywhere), 'cudnn' or 'pallas' (fused, GPU only)")
     fp8: Fp8Config = field(Fp8Config(), "FP8 dense projections")
-    quantize: Quantize | None = field(None, "'int8': int8 weights with per-output-channel scales (serving only)")
+    quantize: Quantize | None = field(
+        None, "'int8': int8 weights with per-output-channel scales (serving, or a LoRA run's frozen base)"
+    )
     lora: LoraConfig = field(LoraConfig(), "low-rank adapters: only they train, the base weights stay frozen")
     init_std: float = field(0.02, "the initial weights' standard deviation")
     norm_eps: float = field(1e-5, "the norms' epsilon")

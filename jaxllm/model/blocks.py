@@ -88,8 +88,8 @@ class Attention(nnx.Module):
             return attend(x, params_of(self), o_proj, rope, *args)
         attention = partial(layers.attention, implementation=self.implementation, project=project)
         segments = () if ctx.segment_ids is None else ("batch", "seq")
-        attend = tensor_parallel(attention, value_axes(self), o_axes, (ROPE_AXES,) * 2, segments)
-        return attend(x, params_of(self), o_proj, ctx.rope, ctx.segment_ids)
+        attend = tensor_parallel(attention, value_axes(self), o_axes, (ROPE_AXES,) * 2, segments, ())
+        return attend(x, params_of(self), o_proj, ctx.rope, ctx.segment_ids, ctx.dropout)
 
 
 class FeedForward(nnx.Module):
@@ -106,10 +106,10 @@ class FeedForward(nnx.Module):
             shape, axes = ((m, h), ("mlp", "embed")) if name == "down" else ((h, m), ("embed", "mlp"))
             _adapt(self, model, name, stack, shape, axes, 1)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, dropout: jax.Array | None = None) -> jax.Array:
         mlp = partial(layers.feed_forward, activation=self.activation, project=self.project)
-        run = tensor_parallel(mlp, value_axes(self))
-        return run(x, params_of(self))
+        run = tensor_parallel(mlp, value_axes(self), ())
+        return run(x, params_of(self), dropout)
 
 
 class DecoderLayer(nnx.Module):
@@ -131,6 +131,6 @@ class DecoderLayer(nnx.Module):
         attended = qkv(self.attn_norm(x), out, ctx, cached)
         out, new = (attended[0], attended[1:]) if cached is not None else (attended, None)
         x = x + out
-        x = x + checkpoint_name(self.mlp(self.mlp_norm(x)), "mlp_out")
+        x = x + checkpoint_name(self.mlp(self.mlp_norm(x), ctx.dropout), "mlp_out")
         x = constrain(x, *RESIDUAL)
         return x if cached is None else (x, new)

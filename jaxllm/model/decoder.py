@@ -79,7 +79,7 @@ class LayerGroup(nnx.Module):
 
         qkv, stacked = params_of(self.qkv), params_of(self.layers)
         for i in range(self.size):
-            x = layer(x, qkv, jax.tree.map(lambda a, i=i: a[i], stacked), ctx)
+            x = layer(x, qkv, jax.tree.map(lambda a, i=i: a[i], stacked), ctx.folded(i))
         return x
 
 
@@ -108,7 +108,12 @@ def scan_groups(graph: nnx.GraphDef, remat: str, groups: Params, x: jax.Array, c
     """Applies stacked groups (a `LayerGroup` graph, params with a leading group dim) in order."""
     _, wrap_group = _remat_wrappers(remat)
     body = wrap_group(lambda x, params, ctx: nnx.merge(graph, params)(x, ctx))
-    x, _ = jax.lax.scan(lambda carry, params: (body(carry, params, ctx), None), x, groups)
+
+    def step(x, group):
+        params, index = group
+        return body(x, params, ctx.folded(index)), None
+
+    x, _ = jax.lax.scan(step, x, (groups, jnp.arange(jax.tree.leaves(groups)[0].shape[0])))
     return x
 
 
@@ -139,11 +144,13 @@ class Decoder(nnx.Module):
         segment_ids: jax.Array | None = None,
         positions: jax.Array | None = None,
         copies: Params | None = None,
+        dropout: jax.Array | None = None,
     ) -> jax.Array:
         """fp32 logits [batch, seq, padded_vocab]; padded vocab entries are masked to NEG_INF. A
-        pipelined decoder computes with `copies` (see `Model.stage_copies`), or gathers its own."""
+        pipelined decoder computes with `copies` (see `Model.stage_copies`), or gathers its own.
+        `dropout`: a key for LoRA dropout (`model.lora.dropout`), given while training."""
         x, ctx = self._embed(tokens, segment_ids, positions)
-        return self._head(self._stack(x, ctx, copies))
+        return self._head(self._stack(x, ctx._replace(dropout=dropout), copies))
 
     def extend(
         self, tokens: jax.Array, positions: jax.Array | None, cache: KVCache, logits_at: jax.Array | None = None
@@ -243,10 +250,11 @@ class Model:
         segment_ids: jax.Array | None = None,
         positions: jax.Array | None = None,
         copies: Params | None = None,
+        dropout: jax.Array | None = None,
     ) -> jax.Array:
         """fp32 logits [batch, seq, padded_vocab] (see `Decoder.__call__`). With a pipeline
         schedule, params hold the groups in its view, and `copies` may hold their `stage_copies`."""
-        return self.bind(params)(tokens, segment_ids, positions, copies)
+        return self.bind(params)(tokens, segment_ids, positions, copies, dropout)
 
     def extend(
         self,

@@ -48,4 +48,4 @@ def projections(model: ModelConfig) -> Project:
         op = int8_projections
     else:
         op = fp8_projections(model.fp8.amax_reduce) if model.fp8.enabled else einsum_projections
-    return with_adapters(op, model.lora.scale) if model.lora.rank else op
+    return with_adapters(op, model.lora.scale, model.lora.dropout) if model.lora.rank else op

@@ -22,7 +22,7 @@ from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 from jaxllm.config import RopeScaling
 from jaxllm.model.cache import Entries, Int8, encode, read, write
 from jaxllm.model.dense import Project, einsum_projections
-from jaxllm.model.lora import adapted
+from jaxllm.model.lora import adapted, with_dropout
 from jaxllm.parallel.rules import manual_spec
 
 NEG_INF = -1e30  # finite, so fully masked rows give a uniform softmax instead of NaN
@@ -34,6 +34,12 @@ class Context(NamedTuple):
     rope: tuple[jax.Array, jax.Array]
     segment_ids: jax.Array | None  # [batch, seq]; None: each row is one document
     positions: jax.Array  # [batch, seq]: where a KV cache stores each token
+    # A key for LoRA dropout while training, folded with each layer's index on the way down; None otherwise.
+    dropout: jax.Array | None = None
+
+    def folded(self, index) -> Context:
+        """The context of sub-stack `index`: its own dropout key."""
+        return self if self.dropout is None else self._replace(dropout=jax.random.fold_in(self.dropout, index))
 
 
 def make_context(
@@ -167,8 +173,10 @@ def self_attention(
     return per_device(kernel)(q, k, v, segment_ids)
 
 
-def _project_qkv(x: jax.Array, qkv: dict, rope: tuple[jax.Array, jax.Array], project: Project) -> tuple[jax.Array, ...]:
-    q, k, v = project(x, tuple(adapted(qkv, n) for n in "qkv"), "bte,ehd->bthd")
+def _project_qkv(
+    x: jax.Array, qkv: dict, rope: tuple[jax.Array, jax.Array], project: Project, dropout: jax.Array | None = None
+) -> tuple[jax.Array, ...]:
+    q, k, v = project(x, tuple(adapted(qkv, n, dropout) for n in "qkv"), "bte,ehd->bthd")
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     return tuple(checkpoint_name(a, "qkv_proj") for a in (q, k, v))
 
@@ -179,13 +187,15 @@ def attention(
     o_proj: jax.Array,
     rope: tuple[jax.Array, jax.Array],
     segment_ids: jax.Array | None,
+    dropout: jax.Array | None = None,
     implementation: str = "xla",
     project: Project = einsum_projections,
 ) -> jax.Array:
-    """Self-attention on this device's heads; the caller sums partial outputs over `tensor`."""
-    q, k, v = _project_qkv(x, qkv, rope, project)
+    """Self-attention on this device's heads; the caller sums partial outputs over `tensor`.
+    `dropout`: the layer's key for LoRA dropout while training."""
+    q, k, v = _project_qkv(x, qkv, rope, project, dropout)
     ctx = checkpoint_name(self_attention(q, k, v, segment_ids, implementation), "attn_out")
-    return project(ctx, (o_proj,), "bthd,hde->bte")[0]
+    return project(ctx, (with_dropout(o_proj, dropout, "o_proj"),), "bthd,hde->bte")[0]
 
 
 def paged_decode_attention(
@@ -298,14 +308,17 @@ def cached_attention(
     return out, keys, values
 
 
-def feed_forward(x: jax.Array, p: dict, activation: str, project: Project = einsum_projections) -> jax.Array:
-    """GLU (SwiGLU / GeGLU) or plain GELU MLP on this device's slice of `mlp`."""
+def feed_forward(
+    x: jax.Array, p: dict, dropout: jax.Array | None = None, *, activation: str, project: Project = einsum_projections
+) -> jax.Array:
+    """GLU (SwiGLU / GeGLU) or plain GELU MLP on this device's slice of `mlp`; `dropout` as for
+    `attention`."""
     if activation == "gelu":
-        (up,) = project(x, (adapted(p, "up"),), "bte,em->btm")
+        (up,) = project(x, (adapted(p, "up", dropout),), "bte,em->btm")
         hidden = jax.nn.gelu(up)
     else:
-        gate, up = project(x, (adapted(p, "gate"), adapted(p, "up")), "bte,em->btm")
+        gate, up = project(x, (adapted(p, "gate", dropout), adapted(p, "up", dropout)), "bte,em->btm")
         act = jax.nn.silu if activation == "swiglu" else jax.nn.gelu
         hidden = act(gate) * up
     hidden = checkpoint_name(hidden, "mlp_in")
-    return project(hidden, (adapted(p, "down"),), "btm,me->bte")[0]
+    return project(hidden, (adapted(p, "down", dropout),), "btm,me->bte")[0]

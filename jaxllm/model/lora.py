@@ -19,7 +19,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.config import LoraConfig, ModelConfig
+from jaxllm.model.int8 import dequantize
 from jaxllm.model.params import Params, declare, holds, is_spec
+from jaxllm.parallel.collectives import varying_axes
 
 SUFFIX = "_lora"
 
@@ -46,39 +48,67 @@ def adapter(model: ModelConfig, target: str, stack, shape, axes, contracted: int
 
 
 class Adapted(NamedTuple):
-    """A weight and its adapter's arrays, as the projection op takes them."""
+    """A weight and its adapter's arrays, as the projection op takes them; `dropout`, a key while
+    training with `model.lora.dropout`."""
 
     base: Any
     a: jax.Array
     b: jax.Array
+    dropout: jax.Array | None = None
 
 
-def adapted(params: Params, name: str) -> Any:
-    """`params[name]`, with its adapter if it has one (an `Adapted`)."""
+TARGET_IDS = {name: i for i, name in enumerate(("q", "k", "v", "o_proj", "gate", "up", "down"))}
+
+
+def adapted(params: Params, name: str, dropout: jax.Array | None = None) -> Any:
+    """`params[name]`, with its adapter if it has one (an `Adapted`), and with `dropout` (a layer's
+    key, None when not training) the adapter's own key."""
     extra = params.get(name + SUFFIX)
-    return params[name] if extra is None else Adapted(params[name], extra["a"], extra["b"])
+    return params[name] if extra is None else Adapted(params[name], extra["a"], extra["b"], _own(dropout, name))
 
 
-def with_adapters(project, scale: float):
+def with_dropout(weight: Any, dropout: jax.Array | None, name: str) -> Any:
+    """An `Adapted` weight that arrived without a key, given its own (any other weight as it is)."""
+    return weight._replace(dropout=_own(dropout, name)) if isinstance(weight, Adapted) else weight
+
+
+def _own(dropout: jax.Array | None, name: str) -> jax.Array | None:
+    return None if dropout is None else jax.random.fold_in(dropout, TARGET_IDS[name])
+
+
+def with_adapters(project, scale: float, rate: float = 0.0):
     """The projection op `project` that also takes `Adapted` weights: x·W by `project` (plain, FP8
-    or int8), plus the low-rank path in x's dtype, differentiated by JAX."""
+    or int8), plus the low-rank path in x's dtype, differentiated by JAX; with `rate`, on x with
+    that fraction dropped (PEFT's `lora_dropout`) wherever the weight carries a key."""
 
     def run(x: jax.Array, weights: tuple, spec: str) -> tuple[jax.Array, ...]:
         bases = tuple(w.base if isinstance(w, Adapted) else w for w in weights)
         outs = project(x, bases, spec)
         pairs = zip(outs, weights, strict=True)
-        return tuple(y + _low_rank(x, w, spec, scale) if isinstance(w, Adapted) else y for y, w in pairs)
+        return tuple(y + _low_rank(x, w, spec, scale, rate) if isinstance(w, Adapted) else y for y, w in pairs)
 
     return run
 
 
-def _low_rank(x: jax.Array, w: Adapted, spec: str, scale: float) -> jax.Array:
+def dropped(x: jax.Array, key: jax.Array, rate: float) -> jax.Array:
+    """Inverted dropout of `x`. Inside a manual region the key is folded with this device's index
+    along each axis x varies over, so that every shard draws its own mask: the masks depend on the
+    layout, their rate does not."""
+    for axis in sorted(varying_axes(x)):
+        key = jax.random.fold_in(key, jax.lax.axis_index(axis))
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+def _low_rank(x: jax.Array, w: Adapted, spec: str, scale: float, rate: float) -> jax.Array:
     """(x·a)·b·scale for the einsum `spec` of the base projection (e.g. "bte,ehd->bthd")."""
     (x_dims, w_dims), out_dims = spec.split("->")[0].split(","), spec.split("->")[1]
     kept = "".join(c for c in x_dims if c not in w_dims)
     w_out = "".join(c for c in w_dims if c not in x_dims)
     contracted = w_dims[: len(w_dims) - len(w_out)]
     a, b = w.a.astype(x.dtype), w.b.astype(x.dtype)
+    if rate and w.dropout is not None:
+        x = dropped(x, w.dropout, rate)
     down = jnp.einsum(f"{x_dims},{contracted}z->{kept}z", x, a)
     return (jnp.einsum(f"{kept}z,z{w_out}->{out_dims}", down, b) * scale).astype(x.dtype)
 
@@ -144,12 +174,15 @@ def merge_adapters(params: Params, model: ModelConfig) -> tuple[Params, ModelCon
     return folded(params), model.replace(lora=LoraConfig())
 
 
-def fold(w: jax.Array, extra: dict, scale: float) -> jax.Array:
-    """W + a·b·scale, in fp32, back in W's dtype; a and b lead with the same stack dims as W."""
+def fold(w: jax.Array | dict, extra: dict, scale: float) -> jax.Array:
+    """W + a·b·scale, in fp32, back in W's dtype (fp32 for an int8 W, {"q", "scale"}, which the sum
+    no longer fits); a and b lead with the same stack dims as W."""
     a, b = extra["a"].astype(jnp.float32), extra["b"].astype(jnp.float32)
     # w: [*stack, *inputs, *outputs], a: [*stack, *inputs, rank], b: [*stack, rank, *outputs]
-    lead = a.ndim + b.ndim - 2 - w.ndim
+    lead = a.ndim + b.ndim - 2 - (w["q"] if isinstance(w, dict) else w).ndim
     letters = "abcdefghijklmnopqrstuvwxy"
     stack, ins, outs = letters[:lead], letters[lead : a.ndim - 1], letters[a.ndim - 1 : a.ndim - 1 + b.ndim - lead - 1]
     delta = jnp.einsum(f"{stack}{ins}z,{stack}z{outs}->{stack}{ins}{outs}", a, b)
+    if isinstance(w, dict):
+        return dequantize(w, range(lead, a.ndim - 1)) + delta * scale
     return (w.astype(jnp.float32) + delta * scale).astype(w.dtype)

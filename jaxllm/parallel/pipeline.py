@@ -47,11 +47,13 @@ def _stage_major(specs):
 
 def gather_stage_weights(groups, specs, dtype) -> dict:
     """The copies the loop computes with: stage-major, cast to `dtype` (parameters whose spec keeps
-    them in fp32, norm scales, stay fp32) and gathered over `fsdp`. Built once per step; with
-    gradient accumulation, the step passes them to every microstep's pipeline."""
+    them in fp32, norm and int8 scales, stay fp32; int8 weights stay int8) and gathered over
+    `fsdp`. Built once per step; with gradient accumulation, the step passes them to every
+    microstep's pipeline."""
 
     def one(a, spec, axes):
-        return constrain(a if spec.keep_fp32 else a.astype(dtype), *axes, rules=GATHERED_RULES)
+        keep = spec.keep_fp32 or not jnp.issubdtype(a.dtype, jnp.floating)
+        return constrain(a if keep else a.astype(dtype), *axes, rules=GATHERED_RULES)
 
     copies = jax.tree.map(one, _stage_major_arrays(groups), specs, _stage_major(specs))
     return jax.lax.stop_gradient(copies)
@@ -155,10 +157,10 @@ def pipeline_stack(groups, specs, x: jax.Array, ctx, schedule: Schedule, stack_f
     micro_spec = spec_of(None, *RESIDUAL, rules=active_rules())  # [M, mb, seq, embed]; seq on `tensor` with SP
     out_spec = P(None, micro_spec[1], (*as_tuple(micro_spec[2]), "stage"))
     micro = split_microbatches(x, m)
-    ctx_micro = jax.tree.map(partial(split_microbatches, m=m), ctx)
+    ctx_micro = jax.tree.map(partial(split_microbatches, m=m), ctx._replace(dropout=None))
     to_next_stage = [(j, (j + 1) % s) for j in range(s)]
 
-    def one_stage(shards, copies, micro, ctx_micro):
+    def one_stage(shards, copies, micro, ctx_micro, dropout):
         """The loop as seen by one device."""
         stage = jax.lax.axis_index("stage")
         micro = to_varying(micro, "stage")
@@ -174,7 +176,9 @@ def pipeline_stack(groups, specs, x: jax.Array, ctx, schedule: Schedule, stack_f
             weights = jax.tree.map(
                 lambda c, sink, spec: _loop_weight(c[repeat], sink[repeat], spec), copies, sinks, specs
             )
-            out = stack_fn(weights, stage_in, jax.tree.map(lambda a: a[mb], ctx_micro))
+            # Each stage, repeat and microbatch (`work`) draws its own LoRA dropout masks.
+            stage_ctx = jax.tree.map(lambda a: a[mb], ctx_micro)._replace(dropout=dropout)
+            out = stack_fn(weights, stage_in, stage_ctx.folded(stage).folded(work))
             shifted = jax.lax.ppermute(out, "stage", to_next_stage)  # on stage 0: the last stage's output
             if delay:
                 fed_back, waiting = waiting[i % delay], waiting.at[i % delay].set(shifted)
@@ -195,8 +199,8 @@ def pipeline_stack(groups, specs, x: jax.Array, ctx, schedule: Schedule, stack_f
 
     run = jax.shard_map(
         one_stage,
-        in_specs=(shard_specs, copy_specs, micro_spec, P(None, micro_spec[1])),
+        in_specs=(shard_specs, copy_specs, micro_spec, P(None, micro_spec[1]), P()),
         out_specs=out_spec,
         axis_names=MANUAL_AXES,
     )
-    return _merge(run(_stage_major_arrays(groups), copies, micro, ctx_micro))
+    return _merge(run(_stage_major_arrays(groups), copies, micro, ctx_micro, ctx.dropout))

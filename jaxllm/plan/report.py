@@ -70,20 +70,24 @@ def memory_report(cfg: RunConfig, accelerator: Accelerator, headroom: float) -> 
         f"  {verdict} one {accelerator.label} ({accelerator.memory / GiB:.1f} GiB less {headroom:.0%} "
         f"headroom = {budget / GiB:.1f} GiB): {planned['total'] / accelerator.memory:.0%} of it"
     )
-    if cfg.model.lora.rank or cfg.data.format != "text":  # a fine-tuning: the other method beside it
-        other, name = _other_fine_tuning(cfg)
-        lines.append(f"  {name}: {memory(other)['total'] / GiB:.2f} GiB")
+    if cfg.model.lora.rank or cfg.data.format != "text":  # a fine-tuning: the other methods beside it
+        lines += [f"  {name}: {memory(other)['total'] / GiB:.2f} GiB" for other, name in _other_fine_tunings(cfg)]
     return lines
 
 
-def _other_fine_tuning(cfg: RunConfig) -> tuple[RunConfig, str]:
-    """Full fine-tuning (fp32 master weights) for a LoRA config; LoRA (rank 16, every projection,
-    the base in bf16) for a full one."""
-    if cfg.model.lora.rank:
-        full = cfg.updated(model=dict(lora=dict(rank=0), param_dtype="float32"))
-        return full, "full fine-tuning instead, fp32 weights"
-    lora = dict(rank=16, alpha=32.0, targets="q,k,v,o,gate,up,down")
-    return cfg.updated(model=dict(lora=lora, param_dtype="bfloat16")), "LoRA instead, rank 16, base frozen in bf16"
+def _other_fine_tunings(cfg: RunConfig) -> list[tuple[RunConfig, str]]:
+    """Of full fine-tuning (fp32 master weights) and LoRA (the config's adapters, else rank 16 on
+    every projection) on a base frozen in bf16 or in int8, those the config is not."""
+    m = cfg.model
+    lora = m.lora.to_dict() if m.lora.rank else dict(rank=16, alpha=32.0, targets="q,k,v,o,gate,up,down")
+    lora_on, full = f"LoRA instead, rank {lora['rank']}, base frozen in", dict(rank=0)
+    methods = {
+        "full": (dict(lora=full, param_dtype="float32", quantize=None), "full fine-tuning instead, fp32 weights"),
+        "bf16": (dict(lora=lora, param_dtype="bfloat16", quantize=None), f"{lora_on} bf16"),
+        "int8": (dict(lora=lora, param_dtype="bfloat16", quantize="int8"), f"{lora_on} int8"),
+    }
+    own = "full" if not m.lora.rank else "int8" if m.quantize else "bf16" if m.param_dtype == "bfloat16" else None
+    return [(cfg.updated(model=model), name) for key, (model, name) in methods.items() if key != own]
 
 
 def activation_report(cfg: RunConfig) -> list[str]:

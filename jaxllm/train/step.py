@@ -12,6 +12,7 @@ from jaxllm.checkpoint import read_into
 from jaxllm.checkpoint.layout import from_canonical
 from jaxllm.config import RunConfig
 from jaxllm.model.decoder import Model
+from jaxllm.model.int8 import quantize_tree
 from jaxllm.model.lora import adapter_mask, combine, partition
 from jaxllm.parallel.rules import activation_rules, rules_for
 from jaxllm.parallel.schedule import split_microbatches
@@ -21,10 +22,13 @@ from jaxllm.train.run import Run, State, on_device
 Batch = dict[str, jax.Array]  # 'inputs', 'targets', optional 'loss_mask', 'segment_ids', 'positions'
 
 
-def loss_sums(params: dict, batch: Batch, model: Model, copies: dict | None = None) -> tuple[jax.Array, jax.Array]:
-    """(sum of next-token cross-entropy over unmasked tokens, number of unmasked tokens), in fp32."""
+def loss_sums(
+    params: dict, batch: Batch, model: Model, copies: dict | None = None, dropout: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """(sum of next-token cross-entropy over unmasked tokens, number of unmasked tokens), in fp32;
+    with LoRA dropout when given its key."""
     inputs, segments, positions = batch["inputs"], batch.get("segment_ids"), batch.get("positions")
-    logits = model.logits(params, inputs, segments, positions, copies)
+    logits = model.logits(params, inputs, segments, positions, copies, dropout)
     lse = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
     mask = batch.get("loss_mask", jnp.ones_like(batch["targets"])).astype(jnp.float32)
@@ -44,20 +48,38 @@ def init_params(cfg: RunConfig) -> dict:
 def init_state(run: Run) -> State:
     """Initialises params (from the seed, or from the weights at `init.hf`: a Hugging Face Llama, an
     export or a run; LoRA's adapters always from the seed) and a fresh optimizer state for the
-    trained params, directly into their shardings."""
-    adapters = adapter_mask(run.model.specs)
+    trained params, directly into their shardings. An int8 base (`model.quantize`) is quantized
+    from those full-precision weights."""
+    quantized = run.cfg.model.quantize is not None
+    full = Model(run.cfg.model.replace(quantize=None), run.schedule) if quantized else run.model
+    adapters = adapter_mask(full.specs)
 
     def init(loaded: dict | None) -> State:
-        params = run.model.init(run.cfg.train.seed)  # what `loaded` replaces, the compiler leaves out
+        params = full.init(run.cfg.train.seed)  # what `loaded` replaces, the compiler leaves out
         if loaded is not None:
             params = combine(partition(params, adapters)[0], from_canonical(loaded, run.schedule))
+        if quantized:
+            params = quantize_tree(params, full.specs, run.model.specs)
         trained = partition(params, run.trained)[0]
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": run.optimizer.init(trained)}
 
     hf = run.cfg.init.hf
     # The canonical params have the same keys as the run's own view: the mask fits both.
-    loaded = None if hf is None else read_into(hf, partition(run.canonical["params"], adapters)[1])
+    loaded = None if hf is None else read_into(hf, partition(_full_precision(run), adapters)[1])
     return jax.jit(init, out_shardings=run.shardings)(loaded)
+
+
+def _full_precision(run: Run) -> dict:
+    """The run's canonical abstract params with each int8 weight ({"q", "scale"}) as the
+    full-precision weight it is quantized from: what `init.hf` is read into."""
+    dtype = jnp.dtype(run.cfg.model.param_dtype)
+
+    def whole(p):
+        if isinstance(p, dict) and set(p) == {"q", "scale"}:
+            return jax.ShapeDtypeStruct(p["q"].shape, dtype, sharding=p["q"].sharding)
+        return {k: whole(v) for k, v in p.items()} if isinstance(p, dict) else p
+
+    return whole(run.canonical["params"])
 
 
 def train_step(state: State, batch: Batch, run: Run) -> tuple[State, dict]:
@@ -74,16 +96,20 @@ def _train_step(state: State, batch: Batch, run: Run) -> tuple[State, dict]:
     trained, frozen = partition(state["params"], run.trained)
     grad_fn = jax.value_and_grad(lambda t, *args: loss_sums(combine(t, frozen), *args), has_aux=True)
     copies = model.stage_copies(state["params"])  # a pipeline's FSDP gather: once per step
+    # LoRA dropout's key: a function of the seed, the step and the microstep.
+    dropout = jax.random.fold_in(jax.random.key(cfg.train.seed), state["step"]) if cfg.model.lora.dropout else None
 
-    def accumulate(carry, micro):
-        total, count, grads = carry
-        (loss, n), g = grad_fn(trained, micro, model, copies)
+    def accumulate(carry, xs):
+        (total, count, grads), (micro, index) = carry, xs
+        key = None if dropout is None else jax.random.fold_in(dropout, index)
+        (loss, n), g = grad_fn(trained, micro, model, copies, key)
         grads = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grads, g), run.grad_shardings)
         return (total + loss, count + n, grads), None
 
     zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, trained), run.grad_shardings)
+    micro = jax.tree.map(partial(split_microbatches, m=accum), batch)
     (total, count, grads), _ = jax.lax.scan(
-        accumulate, (jnp.zeros(()), jnp.zeros(()), zeros), jax.tree.map(partial(split_microbatches, m=accum), batch)
+        accumulate, (jnp.zeros(()), jnp.zeros(()), zeros), (micro, jnp.arange(accum))
     )
     count = jnp.maximum(count, 1.0)
     grads = jax.tree.map(lambda g: g / count, grads)

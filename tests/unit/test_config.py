@@ -101,8 +101,11 @@ CASES = {
     "fp8 amax reduction": ({"model.fp8.amax_reduce": "stage"}, ["model.fp8.amax_reduce='stage' is unknown", "'local'"]),
     "training int8 weights": (
         {"model.quantize": "int8"},
-        ["model.quantize='int8' holds int8 weights, which serve but do not train", "serve with --quantize int8"],
-    ),
+        ["model.quantize='int8' holds int8 weights, which do not train", "model.lora.rank > 0",
+         "serve with --quantize int8"],
+    ),  # fmt: skip
+    "lora dropout of 1": ({"model.lora.dropout": 1.0}, ["model.lora.dropout=1.0 must be", "below 1"]),
+    "lora dropout NaN": ({"model.lora.dropout": float("nan")}, ["model.lora.dropout=nan must be at least 0"]),
     "trained BPE vs vocab": (
         {"data.bpe_vocab_size": 1024},
         ["data.bpe_vocab_size=1024 exceeds model.vocab_size=257", "set model.vocab_size=1024"],

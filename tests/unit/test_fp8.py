@@ -311,7 +311,7 @@ def test_no_fp32_matmul_result_is_saved_for_the_backward_pass(policy):
         @wrap_layer
         def layer(x, qkv, o_proj, mlp):
             x = x + layers.attention(x, qkv, o_proj, rope, None, project=project)
-            return x + layers.feed_forward(x, mlp, cfg.model.mlp_activation, project=project)
+            return x + layers.feed_forward(x, mlp, activation=cfg.model.mlp_activation, project=project)
 
         return layer(layer(x, qkv, o_proj, mlp), qkv, o_proj, mlp)
 

@@ -15,8 +15,10 @@ from jaxllm.checkpoint.layout import to_canonical
 from jaxllm.config import LoraConfig
 from jaxllm.data.tokenizer import get_tokenizer, save_tokenizer, train_bpe
 from jaxllm.model import Model
+from jaxllm.model.dense import einsum_projections
 from jaxllm.model.generate import generate
-from jaxllm.model.lora import adapter_mask, combine, merge_adapters, partition
+from jaxllm.model.int8 import quantize_tree
+from jaxllm.model.lora import Adapted, adapter_mask, combine, dropped, merge_adapters, partition, with_adapters
 from jaxllm.model.params import count
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.serve.generation import Request
@@ -27,8 +29,8 @@ from jaxllm.train.step import compile_train_step, init_state
 LORA = dict(rank=4, alpha=8.0, targets="q,v,o,gate,down")
 
 
-def _cfg(layout=None, **lora):
-    return small_config(vocab_size=300).updated(model=dict(lora=LORA | lora), parallel=layout or {})
+def _cfg(layout=None, model=None, **lora):
+    return small_config(vocab_size=300).updated(model=dict(lora=LORA | lora, **(model or {})), parallel=layout or {})
 
 
 def _perturbed(params: dict, specs: dict) -> dict:
@@ -64,8 +66,8 @@ def _batch(cfg):
     return {"inputs": w[:, :-1].astype(np.int32), "targets": w[:, 1:].astype(np.int32)}
 
 
-def _train(layout: dict, steps: int = 3, workdir=None):
-    cfg = _cfg(layout)
+def _train(layout: dict, steps: int = 3, workdir=None, model=None, **lora):
+    cfg = _cfg(layout, model, **lora)
     devices = jax.devices() if layout else jax.devices()[:1]
     mesh = make_mesh(cfg.parallel, devices)
     with jax.set_mesh(mesh):
@@ -130,6 +132,70 @@ def test_lora_on_tensor_stage_fsdp_matches_one_device(single, tmp_path):
     assert served.choices()[0].tokens == generate(want, Model(plain), prompt, 12, vocab_size=tokenizer.vocab_size)[4:]
 
 
+def test_adapter_dropout_drops_its_rate_and_keeps_the_expectation():
+    rng = np.random.default_rng(0)
+    x, w = jnp.asarray(rng.normal(size=(4, 8, 16)), jnp.float32), jnp.asarray(rng.normal(size=(16, 12)), jnp.float32)
+    a, b = jnp.asarray(rng.normal(size=(16, 3)), jnp.float32), jnp.asarray(rng.normal(size=(3, 12)), jnp.float32)
+    rate, spec = 0.25, "bte,ef->btf"
+    kept = np.asarray(dropped(jnp.ones((200_000,)), jax.random.key(0), rate))
+    assert abs((kept == 0).mean() - rate) < 4 * (rate * (1 - rate) / kept.size) ** 0.5  # binomial, 4 sigma
+    np.testing.assert_allclose(kept[kept > 0], 1 / (1 - rate))
+    op = with_adapters(einsum_projections, 2.0, rate)
+    plain = op(x, (Adapted(w, a, b),), spec)[0]  # no key (evaluation, serving): no dropout
+    np.testing.assert_allclose(plain, x @ w + (x @ a) @ b * 2.0, rtol=1e-5, atol=1e-5)
+    draws = jax.vmap(lambda k: op(x, (Adapted(w, a, b, k),), spec)[0])(jax.random.split(jax.random.key(1), 4000))
+    assert np.abs(draws[0] - plain).max() > 0.1 and np.abs(draws[0] - draws[1]).max() > 0.1
+    # Inverted dropout is unbiased: the mean of the draws is the undropped projection (to 5 standard errors).
+    error = np.asarray(draws.std(0) / np.sqrt(draws.shape[0]))
+    assert (np.abs(np.asarray(draws.mean(0) - plain)) < 5 * error + 1e-6).all()
+
+
+def test_adapter_dropout_trains_on_every_layout_and_repeats_with_its_seed(single):
+    runs = [_train(layout, dropout=0.3) for layout in ({}, {}, dict(data=2, stage=2, tensor=2, microbatches=2))]
+    for run in runs:
+        assert run["run"].cfg.model.lora.dropout == 0.3
+    one, again, spread = (r["losses"] for r in runs)
+    assert one == again  # the masks are a function of the seed and the step
+    assert one[0] == single["losses"][0] and one[1:] != single["losses"][1:]  # b starts at 0: step 0 drops nothing
+    assert spread[-1] < spread[0] and one[-1] < one[0]
+
+
+INT8 = dict(quantize="int8")
+
+
+def test_an_int8_base_stays_frozen_under_its_adapters_on_every_layout(single, tmp_path):
+    one = _train({}, model=INT8)
+    got = _train(dict(data=1, fsdp=2, stage=2, tensor=2, microbatches=2), workdir=tmp_path, model=INT8)
+    full, int8 = (Model(_cfg(model=m).model) for m in ({}, INT8))
+    # The base is the full-precision run's initial weights quantized, and stays bit-identical.
+    adapters, base = partition(one["state"]["params"], adapter_mask(int8.specs))
+    fp_base = partition(single["init"], adapter_mask(full.specs))[1]
+    specs = [partition(m.specs, adapter_mask(m.specs))[1] for m in (full, int8)]
+    chex.assert_trees_all_equal(base, quantize_tree(fp_base, *specs))
+    chex.assert_trees_all_equal(base, partition(one["init"], adapter_mask(int8.specs))[1])
+    assert jax.tree.leaves(base["groups"]["qkv"]["q"])[0].dtype == jnp.int8
+    # It stands for the fp32 weights to within int8's rounding, and the adapters learn through it.
+    assert abs(one["losses"][0] - single["losses"][0]) < 1e-2 * single["losses"][0]
+    assert one["losses"][0] != single["losses"][0] and one["losses"][-1] < one["losses"][0]
+    assert jax.tree.structure(one["state"]["opt_state"][1][0].mu) == jax.tree.structure(adapters)
+    # The 8-device pipeline (int8 copies, fp32 scales) computes what one device does.
+    np.testing.assert_allclose(got["losses"], one["losses"], rtol=1e-5)
+    chex.assert_trees_all_equal(partition(to_canonical(got["state"]["params"], got["run"].schedule),
+                                          adapter_mask(int8.specs))[1], base)  # fmt: skip
+    # The planner counts the int8 base's bytes as the train state holds them.
+    held = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(one["run"].state["params"]))
+    assert plan.memory(one["run"].cfg)["params"] == held < plan.memory(single["run"].cfg)["params"] / 2
+
+    # The checkpoint loads with the adapters folded in and the sum quantized again: int8 weights
+    # whose logits are the trained (unmerged) model's to within that rounding.
+    cfg, params, _ = load_params(tmp_path)
+    assert cfg.model.quantize == "int8" and cfg.model.lora.rank == 0
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 300, (2, 12)))
+    want = int8.logits(one["state"]["params"], tokens)[..., :300]
+    served = Model(cfg.model).logits(params, tokens)[..., :300]
+    assert np.abs(served - want).max() < 2e-2 * np.abs(want).max()
+
+
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
 def test_planner_counts_the_adapters_and_their_optimizer_state_alone(activation):
     cfg = _cfg(targets="q,k,v,o,gate,up,down").updated(model=dict(mlp_activation=activation))
@@ -143,18 +209,24 @@ def test_planner_counts_the_adapters_and_their_optimizer_state_alone(activation)
     assert full["optimizer state (Adam m, v)"] == 2 * 4 * count(Model(cfg.model.replace(lora=LoraConfig())).specs)
 
 
-def test_a_fine_tuning_plan_sets_the_other_method_beside_it():
+def test_a_fine_tuning_plan_sets_the_other_methods_beside_it():
     from jaxllm.plan.hardware import ACCELERATORS
     from jaxllm.plan.report import memory_report
 
     full = _cfg(rank=0).updated(data=dict(format="chat"))
-    lora = full.updated(model=dict(lora=dict(rank=16, alpha=32.0, targets="q,k,v,o,gate,up,down"),
-                                   param_dtype="bfloat16"))  # fmt: skip
+    lora = dict(rank=16, alpha=32.0, targets="q,k,v,o,gate,up,down")
+    bf16 = full.updated(model=dict(lora=lora, param_dtype="bfloat16"))
+    int8 = bf16.updated(model=dict(quantize="int8"))
     device = ACCELERATORS["a100-80gb"]
-    assert f"LoRA instead, rank 16, base frozen in bf16: {plan.memory(lora)['total'] / 2**30:.2f} GiB" in (
-        memory_report(full, device, 0.1)[-1]
-    )
-    assert f"full fine-tuning instead, fp32 weights: {plan.memory(full)['total'] / 2**30:.2f} GiB" in (
-        memory_report(lora, device, 0.1)[-1]
-    )
-    assert plan.memory(lora)["total"] < plan.memory(full)["total"]
+
+    def gib(cfg) -> str:
+        return f"{plan.memory(cfg)['total'] / 2**30:.2f} GiB"
+
+    lines = {
+        "full": f"  full fine-tuning instead, fp32 weights: {gib(full)}",
+        "bf16": f"  LoRA instead, rank 16, base frozen in bf16: {gib(bf16)}",
+        "int8": f"  LoRA instead, rank 16, base frozen in int8: {gib(int8)}",
+    }
+    for own, cfg in {"full": full, "bf16": bf16, "int8": int8}.items():
+        assert memory_report(cfg, device, 0.1)[-2:] == [line for method, line in lines.items() if method != own]
+    assert plan.memory(int8)["total"] < plan.memory(bf16)["total"] < plan.memory(full)["total"]

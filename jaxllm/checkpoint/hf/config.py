@@ -122,7 +122,7 @@ def check_llama(model: ModelConfig, expand_shared_qkv: bool = False) -> None:
         raise ConversionError(f"model.norm={model.norm!r}: Llama normalises with RMSNorm; {fix}")
     if model.mlp_activation != "swiglu":
         raise ConversionError(f"model.mlp_activation={model.mlp_activation!r}: Llama's MLP is SwiGLU; {fix}")
-    if model.quantize is not None:
+    if model.quantize is not None and not model.lora.rank:
         raise ConversionError(f"model.quantize={model.quantize!r}: convert the full-precision run or export")
     if model.qkv_share_every > 1 and not expand_shared_qkv:
         raise ConversionError(
