@@ -631,6 +631,21 @@ def test_a_lora_run_converts_merged_into_an_exact_llama(tmp_path, capsys):
         to_hf(tmp_path / "base", tmp_path / "peft", peft=True)
 
 
+def test_a_lora_run_on_an_int8_base_converts_merged_into_a_llama_with_its_logits(tmp_path):
+    base = own_export(tmp_path / "base")
+    int8 = base.updated(model=dict(quantize="int8"))
+    quantized = load_params(tmp_path / "base", quantize="int8")[1]
+    cfg, params = lora_export(tmp_path / "export", int8, quantized, targets="q,v,down")  # k, o, gate, up bare
+    shutil.copytree(tmp_path / "base" / "tokenizer", tmp_path / "export" / "tokenizer")
+    to_hf(tmp_path / "export", tmp_path / "hf")
+    tokens = TOKENS % cfg.model.vocab_size
+    # The Llama holds each int8 weight dequantized, its adapter folded in: the run's own logits.
+    np.testing.assert_allclose(our_logits(tmp_path / "hf", tokens), unmerged_logits(cfg, params, tokens),
+                               rtol=1e-4, atol=1e-4)  # fmt: skip
+    with pytest.raises(ConversionError, match="model.quantize='int8': convert the full-precision run"):
+        check_llama(int8.model)  # without adapters an int8 run is a serving export, not a Llama
+
+
 @needs_hf
 def test_a_peft_adapter_export_loads_in_peft_with_equal_logits(tmp_path):
     import peft
