@@ -1,8 +1,9 @@
-"""Speculative decoding by prompt lookup (serve.speculative=ngram) against plain decoding, at one
-busy sequence, side by side in one process, on a trained run (`--workdir`, e.g. the Quickstart's,
-whose model learnt the Python standard library's sources) or, without one, on `bench_serve.py`'s
-Llama-shaped model (random weights, GPT-2 tokenizer), whose decode step is bound by reading its
-weights as a large model's is (its greedy text repeats itself rather than its prompt):
+"""Speculative decoding by prompt lookup (serve.speculative=ngram), or by a draft model
+(`--draft`: serve.speculative=draft), against plain decoding, at one busy sequence, side by side
+in one process, on a trained run (`--workdir`, e.g. the Quickstart's, whose model learnt the
+Python standard library's sources) or, without one, on `bench_serve.py`'s Llama-shaped model
+(random weights, GPT-2 tokenizer), whose decode step is bound by reading its weights as a large
+model's is (its greedy text repeats itself rather than its prompt):
 
 1. code continuation: the opening of standard-library modules, continued greedily;
 2. summarisation-style: a passage of the library's documentation, then "In short," and a
@@ -15,7 +16,8 @@ a warm-up, the two engines' runs taking turns so that the machine's drift falls 
 ratio, the fraction of proposed tokens the model accepted and of output tokens that came from
 verify steps.
 
-    python scripts/bench_speculative.py [--workdir runs/tiny] [--new 128] [--repeats 3] [--draft-tokens 8]
+    python scripts/bench_speculative.py [--workdir runs/tiny [--draft runs/tiny-draft]] [--new 128] [--repeats 3]
+        [--draft-tokens 8]
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def main() -> None:
     parser.add_argument("--workdir", help="a training run (the Quickstart's: runs/tiny); default: random weights")
     parser.add_argument("--new", type=int, default=128, help="tokens each request decodes")
     parser.add_argument("--prompt-tokens", type=int, default=96)
+    parser.add_argument("--draft", help="with --workdir: a smaller run of the same tokenizer to draft with")
     parser.add_argument("--draft-tokens", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -71,6 +74,11 @@ def main() -> None:
 
     settings = {"slots": 4, "max_len": args.prompt_tokens + args.new + 8}
     speculation = {"speculative": "ngram", "draft_tokens": args.draft_tokens}
+    if args.draft:
+        if not args.workdir:
+            parser.error("--draft drafts for a trained run: pass --workdir too")
+        speculation.update(speculative="draft", draft_model=args.draft)
+    proposer = speculation["speculative"]
     if args.workdir:
         plain = load_engine(args.workdir, {f"serve.{k}": v for k, v in settings.items()})
         speculative = load_engine(args.workdir, {f"serve.{k}": v for k, v in {**settings, **speculation}.items()})
@@ -84,9 +92,10 @@ def main() -> None:
             return build_engine(params, serving, tokenizer, make_mesh(serving.parallel, jax.devices()[:1]))
 
         plain, speculative = engine(**settings), engine(**settings, **speculation)
+    ngram = f"ngram {speculative.settings.ngram_min}..{speculative.settings.ngram_max}"
+    how = f"draft model {args.draft}" if args.draft else ngram
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {args.new} new tokens a request, one request at "
-          f"a time; ngram {speculative.settings.ngram_min}..{speculative.settings.ngram_max}, "
-          f"{args.draft_tokens} draft tokens")  # fmt: skip
+          f"a time; {how}, {args.draft_tokens} draft tokens")  # fmt: skip
     for kind, prompts in prompt_sets(speculative.tokenizer, args.prompt_tokens).items():
         requests = [Request(p, args.new, temperature=t, seed=i, ignore_eos=True) for i, (p, t) in enumerate(prompts)]
 
@@ -103,7 +112,7 @@ def main() -> None:
         drafts, drafted, accepted = (a - b for a, b in zip(now, before, strict=True))
         tokens = len(requests) * args.new
         verified = (drafts + accepted) / (tokens * (args.repeats + 1))  # each verify step: its accepted tokens and one
-        print(f"{kind:>20}: plain {tokens / base:6.1f} tokens/s, ngram {tokens / fast:6.1f} tokens/s: "
+        print(f"{kind:>20}: plain {tokens / base:6.1f} tokens/s, {proposer} {tokens / fast:6.1f} tokens/s: "
               f"{base / fast:.2f}x; {accepted / max(drafted, 1):.2f} of proposed tokens accepted, "
               f"{verified:.2f} of tokens from verify steps")  # fmt: skip
 

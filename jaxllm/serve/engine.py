@@ -231,14 +231,19 @@ class Engine:
 
     def _propose(self) -> None:
         """A draft for each speculating sequence whose every token is read back (see
-        `speculation`), never past its max_tokens; one that finds none backs off."""
+        `speculation`; with a draft model, only its length), never past its max_tokens; one that
+        finds none backs off."""
         s = self.settings
         for sequence in self.scheduler.running:
             sequence.draft = []
             synced = sequence.issued == len(sequence.output)
             if sequence.speculates and sequence.state is State.DECODE and synced:
                 room = min(s.draft_tokens, sequence.generation.request.max_tokens - sequence.issued - 1)
-                if room > 0 and sequence.issued >= sequence.resume_at:
+                if room <= 0 or sequence.issued < sequence.resume_at:
+                    continue
+                if s.speculative == "draft":
+                    sequence.draft = [0] * room  # how many: the draft model proposes them on the device
+                else:
                     sequence.draft = lookup(sequence.prompt + sequence.output, room, s.ngram_max, s.ngram_min)
                     if not sequence.draft:
                         self._back_off(sequence)

@@ -5,6 +5,7 @@ serving dtype and read straight into the serving shardings."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import time
@@ -15,8 +16,8 @@ from jax.sharding import Mesh
 
 from jaxllm.checkpoint import load_params, stored_config
 from jaxllm.checkpoint.hf.config import is_hf_dir
-from jaxllm.config import ConfigError
-from jaxllm.data.tokenizer import Tokenizer, get_tokenizer, load_saved_tokenizer
+from jaxllm.config import ConfigError, LoraConfig, ModelConfig, require, validate_tensor
+from jaxllm.data.tokenizer import Tokenizer, get_tokenizer, has_saved_tokenizer, load_saved_tokenizer
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.serve.buckets import Buckets
 from jaxllm.serve.constraints import mask_words
@@ -24,7 +25,7 @@ from jaxllm.serve.engine import Engine
 from jaxllm.serve.generation import Limits
 from jaxllm.serve.guards import PerplexityAlarm
 from jaxllm.serve.runner import Progress, Runner, no_progress
-from jaxllm.serve.settings import ServeConfig, Serving, serving_config
+from jaxllm.serve.settings import ServeConfig, Serving, served_model, serving_config
 
 SERVE = "serve."
 
@@ -47,7 +48,34 @@ def serving_setup(
         raise ConfigError(f"{path} holds int8 weights, which serve only as int8; drop the model.quantize override "
                           "or serve the training run it was exported from")  # fmt: skip
     settings = ServeConfig.from_dict({k[len(SERVE) :]: v for k, v in overrides.items() if k.startswith(SERVE)})
-    return serving_config(cfg, settings, jax.local_device_count(), jax.default_backend()), saved_tokenizer
+    # A draft model's adapters are folded into its weights, as the served model's are.
+    draft = settings.draft_model and stored_config(settings.draft_model).model.replace(lora=LoraConfig())
+    serving = serving_config(cfg, settings, jax.local_device_count(), jax.default_backend(), draft or None)
+    if draft:
+        serving = dataclasses.replace(serving, draft=draft_config(draft, serving.settings, saved_tokenizer))
+    return serving, saved_tokenizer
+
+
+def draft_config(model: ModelConfig, s: ServeConfig, tokenizer: Tokenizer) -> ModelConfig:
+    """serve.draft_model's `model` as it computes beside the served one, refused if its tokenizer
+    is another or its layout does not fit the serving mesh."""
+    path = pathlib.Path(s.draft_model)
+    if is_hf_dir(path):
+        theirs = get_tokenizer(path) if (path / "tokenizer.json").is_file() else None
+    else:
+        theirs = load_saved_tokenizer(path / "tokenizer") if has_saved_tokenizer(path / "tokenizer") else None
+    require(
+        theirs is None or theirs.fingerprint == tokenizer.fingerprint,
+        f"serve.draft_model={path} has another tokenizer ({theirs and theirs.name}) than the served model "
+        f"({tokenizer.name}); a draft proposes token ids, so pick a draft model trained with the same tokenizer",
+    )
+    require(
+        model.vocab_size >= tokenizer.vocab_size,
+        f"serve.draft_model={path} knows {model.vocab_size} token ids and the tokenizer has {tokenizer.vocab_size}; "
+        "pick a draft model trained with the served model's tokenizer",
+    )
+    validate_tensor(model, s.tensor, "serve.tensor (the draft model's too)")
+    return served_model(model, s)
 
 
 def use_compile_cache(setting: str | None, workdir: str | pathlib.Path | None) -> pathlib.Path | None:
@@ -76,8 +104,12 @@ def start_engine(
     weights = f"int8 weights, {s.dtype} compute" if model.quantize else s.dtype
     print(f"serve: step {step} of {pathlib.Path(path).absolute()}, {weights}, {s.kv_dtype} KV cache, tensor "
           f"parallel over {s.tensor}", flush=True)  # fmt: skip
+    draft_params = None
+    if serving.draft is not None:
+        _, draft_params, draft_step = load_params(s.draft_model, mesh, s.dtype, quantize=serving.draft.quantize)
+        print(f"serve: drafting with step {draft_step} of {pathlib.Path(s.draft_model).absolute()}", flush=True)
     started = time.perf_counter()
-    engine = build_engine(params, serving, tokenizer, mesh, progress)
+    engine = build_engine(params, serving, tokenizer, mesh, progress, draft_params)
     steps = len(engine.device.decode_steps) + len(engine.device.prefill_steps)
     print(f"serve: {steps} steps ready in {time.perf_counter() - started:.1f} s, {engine.device.steps_cached} of them "
           "read from the compilation cache", flush=True)  # fmt: skip
@@ -85,13 +117,20 @@ def start_engine(
 
 
 def build_engine(
-    params: dict, serving: Serving, tokenizer: Tokenizer, mesh: Mesh, progress: Progress = no_progress
+    params: dict,
+    serving: Serving,
+    tokenizer: Tokenizer,
+    mesh: Mesh,
+    progress: Progress = no_progress,
+    draft_params: dict | None = None,
 ) -> Engine:
-    """The engine's host side over a `Runner` of `params` (in `mesh`'s shardings), every step compiled."""
+    """The engine's host side over a `Runner` of `params` (and the draft model's `draft_params`,
+    all in `mesh`'s shardings), every step compiled."""
     s = serving.settings
     limits = Limits.of(serving, tokenizer)
     buckets = Buckets.of(s.slots, s.max_len, s.page_size, s.prefill_chunk)
-    runner = Runner(params, serving, mesh, buckets, limits.vocab_size, mask_words(tokenizer.vocab_size), progress)
+    words = mask_words(tokenizer.vocab_size)
+    runner = Runner(params, serving, mesh, buckets, limits.vocab_size, words, progress, draft_params)
     salt = f"{serving.model}|{s.dtype}|{s.kv_dtype}"  # pages are shared only within one model and dtype
     return Engine(runner, s, limits, tokenizer, PerplexityAlarm(s.ppl_alarm, s.ppl_reject), salt)
 

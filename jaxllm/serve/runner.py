@@ -61,8 +61,9 @@ def no_progress(done: int, total: int) -> None:
 
 class Runner:
     """Runs `serving.model` with `params` (in `mesh`'s shardings) over a cache of the shapes in
-    `buckets`; tokens are drawn below `vocab_size`, from masks of `words` int32 words a row.
-    `progress` hears of each step compiled."""
+    `buckets`, and `serving.draft` with `draft_params` beside it if it has one; tokens are drawn
+    below `vocab_size`, from masks of `words` int32 words a row. `progress` hears of each step
+    compiled."""
 
     def __init__(
         self,
@@ -73,10 +74,13 @@ class Runner:
         vocab_size: int,
         words: int,
         progress: Progress = no_progress,
+        draft_params: dict | None = None,
     ):
         self.params, self.mesh, self.buckets, self.words = params, mesh, buckets, words
         self.settings = s = serving.settings
         self.model = Model(serving.model)  # built once: every step binds its graph to the params
+        self.draft = None if serving.draft is None else Model(serving.draft)
+        self.draft_params = draft_params
         self.vocab_size = vocab_size
         with jax.set_mesh(mesh):
             pool = NamedSharding(mesh, logical_spec(AXES))  # an int8 cache's scales too (their head_dim is 1)
@@ -85,19 +89,22 @@ class Runner:
             self._compile(progress)
         device = mesh.devices.flat[0]
         # What one device reads in a decode step, for the achieved-bandwidth gauge.
-        self.weight_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(params))
-        self.kv_bytes_per_token = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.pools)) / (
-            s.kv_pages * s.page_size
-        )
+        on_one = lambda tree: sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
+        self.weight_bytes = on_one((params, draft_params))
+        self.kv_bytes_per_token = on_one((self.pools, self.draft_pools)) / (s.kv_pages * s.page_size)
         known = accelerator_of(device.device_kind)
         self.bandwidth = known.hbm if known else copy_bandwidth()  # bytes/s of one device's memory
 
     def reset(self) -> None:
         """A zero cache and slot state on the devices."""
         s = self.settings
-        cache = KVCache.paged(self.model.config, s.kv_pages, s.page_size, s.kv_dtype)
         pool, replicated = self._shardings
-        self.pools = jax.device_put((cache.keys, cache.values), pool)
+
+        def pools(model: Model):  # the draft's pool has the target's pages, its own layers and heads
+            cache = KVCache.paged(model.config, s.kv_pages, s.page_size, s.kv_dtype)
+            return jax.device_put((cache.keys, cache.values), pool)
+
+        self.pools, self.draft_pools = pools(self.model), self.draft and pools(self.draft)
         self.slots_state = jax.device_put(Slots.empty(s.slots), replicated)
 
     def _compile(self, progress: Progress) -> None:
@@ -106,12 +113,16 @@ class Runner:
         speculative decoding, one verifying serve.draft_tokens drafts a row), a prefill step per
         (rows, chunk length, table width) bucket."""
         b, pool, replicated = self.buckets, *self._shardings
-        out = ((pool, pool), replicated)
-        common = dict(model=self.model, vocab_size=self.vocab_size)
-        decode_step = jax.jit(partial(decode, **common), out_shardings=(*out, replicated), donate_argnums=(1, 2))
+        out, drafted = ((pool, pool), replicated), self.draft and (pool, pool)
+        common = dict(model=self.model, vocab_size=self.vocab_size, draft=self.draft)
+        donated = (1, 2, 5)  # the caches and the slot state
+        decode_step = jax.jit(partial(decode, **common), out_shardings=(*out, replicated, drafted),
+                              donate_argnums=donated)  # fmt: skip
         prefill_step = partial(prefill, logprobs=self.settings.prompt_nll, **common)
-        prefill_step = jax.jit(prefill_step, out_shardings=(*out, replicated, replicated), donate_argnums=(1, 2))
+        prefill_step = jax.jit(prefill_step, out_shardings=(*out, replicated, replicated, drafted),
+                               donate_argnums=donated)  # fmt: skip
         state, slots, page_size = (self.pools, self.slots_state), self.settings.slots, self.settings.page_size
+        drafter = (self.draft_params, self.draft_pools)
         drafts = [0, self.settings.draft_tokens] if self.settings.speculative != "off" else [0]
         decodes = [(rows, width, k) for width in b.pages for rows in b.rows for k in drafts]
         prefills = [
@@ -133,11 +144,12 @@ class Runner:
             self.decode_steps, self.prefill_steps = {}, {}  # by (rows, pages, drafts) and (rows, chunk, pages)
             for rows, width, k in decodes:
                 batch = decode_batch([], {}, rows, width, slots, self.words, k)
-                self.decode_steps[rows, width, k] = decode_step.lower(self.params, *state, batch).compile()
+                self.decode_steps[rows, width, k] = decode_step.lower(self.params, *state, batch, *drafter).compile()
                 progress(len(self.decode_steps), total)
             for rows, chunk, width in prefills:
                 batch = prefill_batch([], rows, chunk, width, slots, self.words)
-                self.prefill_steps[rows, chunk, width] = prefill_step.lower(self.params, *state, batch).compile()
+                compiled = prefill_step.lower(self.params, *state, batch, *drafter).compile()
+                self.prefill_steps[rows, chunk, width] = compiled
                 progress(len(self.decode_steps) + len(self.prefill_steps), total)
         finally:  # a failed compile leaves no listener behind
             jax.monitoring.unregister_event_listener(count_hit)
@@ -146,13 +158,15 @@ class Runner:
     def decode(self, batch: DecodeBatch) -> Pending:
         """Dispatches a compiled decode step (its bucket from the batch's shapes)."""
         step = self.decode_steps[(*batch.table.shape, batch.drafts.shape[1])]
-        self.pools, self.slots_state, tokens = step(self.params, self.pools, self.slots_state, batch)
+        state = (self.pools, self.slots_state, batch, self.draft_params, self.draft_pools)
+        self.pools, self.slots_state, tokens, self.draft_pools = step(self.params, *state)
         return Pending(tokens)
 
     def prefill(self, batch: PrefillBatch) -> Pending:
         """Dispatches a compiled prefill step (its bucket from the batch's shapes)."""
         step = self.prefill_steps[(*batch.tokens.shape, batch.table.shape[1])]
-        self.pools, self.slots_state, tokens, prompt = step(self.params, self.pools, self.slots_state, batch)
+        state = (self.pools, self.slots_state, batch, self.draft_params, self.draft_pools)
+        self.pools, self.slots_state, tokens, prompt, self.draft_pools = step(self.params, *state)
         return Pending(tokens, prompt if self.settings.prompt_nll else None)
 
     @staticmethod

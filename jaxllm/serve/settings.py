@@ -38,10 +38,13 @@ class ServeConfig(Section):
     attention: Literal["xla", "pallas"] | None = field(
         None, "decode attention over the pages: 'pallas' (JAX's paged kernel, GPUs) or 'xla' (None: pallas on GPUs)"
     )
-    speculative: Literal["off", "ngram"] = field(
+    speculative: Literal["off", "ngram", "draft"] = field(
         "off", "speculative decoding: 'ngram' proposes the tokens that followed the context's last few tokens where "
-        "they occurred before (prompt lookup), verified in one step; outputs are distributed as without it"
+        "they occurred before (prompt lookup), 'draft' those serve.draft_model continues with; verified in one "
+        "step, outputs are distributed as without it"
     )  # fmt: skip
+    draft_model: str | None = field(None, "the draft model of serve.speculative=draft: a run, an export or a Hugging "
+                                          "Face Llama directory with the served model's tokenizer")  # fmt: skip
     draft_tokens: int = field(8, "tokens proposed a step with serve.speculative")
     ngram_max: int = field(4, "the longest run of last tokens 'ngram' looks up")
     ngram_min: int = field(2, "and the shortest: shorter runs recur by chance and propose tokens that are rejected")
@@ -85,6 +88,11 @@ class ServeConfig(Section):
             require(getattr(self, name) > 0, f"serve.{name}={getattr(self, name)} must be above 0 (seconds)")
         require(self.draft_tokens >= 1, f"serve.draft_tokens={self.draft_tokens} must be at least 1")
         require(
+            (self.speculative == "draft") == bool(self.draft_model),
+            f"serve.speculative={self.speculative!r} with serve.draft_model={self.draft_model!r}: a draft model is "
+            "what serve.speculative=draft proposes with; set both, or neither",
+        )
+        require(
             1 <= self.ngram_min <= self.ngram_max,
             f"serve.ngram_min={self.ngram_min} and serve.ngram_max={self.ngram_max} must satisfy 1 <= min <= max",
         )
@@ -105,6 +113,7 @@ class Serving:
 
     model: ModelConfig
     settings: ServeConfig
+    draft: ModelConfig | None = None  # serve.draft_model's, as it computes here
 
     @property
     def parallel(self) -> ParallelConfig:
@@ -112,14 +121,17 @@ class Serving:
         return ParallelConfig(data=1, tensor=self.settings.tensor)
 
 
-def serving_config(cfg: RunConfig, settings: ServeConfig, local_devices: int, backend: str = "cpu") -> Serving:
+def serving_config(
+    cfg: RunConfig, settings: ServeConfig, local_devices: int, backend: str = "cpu", draft: ModelConfig | None = None
+) -> Serving:
     """A checkpoint's config made ready to serve with `settings`: each setting left None resolved,
     the model set to compute in the serving dtype with plain XLA attention, no remat and no FP8 (a
-    per-tensor scale over a batch of slots would make each request's output depend on the others')."""
+    per-tensor scale over a batch of slots would make each request's output depend on the others').
+    A `draft` model (serve.draft_model's) has its say in the tensor-parallel size."""
     m, s = cfg.model, settings
     tensor = s.tensor
     if tensor == -1:  # the most local devices that split every tensor-parallel dimension evenly
-        split = (m.num_heads, m.num_kv_heads, m.mlp, m.padded_vocab)
+        split = [d for x in (m, draft) if x for d in (x.num_heads, x.num_kv_heads, x.mlp, x.padded_vocab)]
         tensor = max(n for n in range(1, local_devices + 1) if all(dim % n == 0 for dim in split))
     dtype = s.dtype or m.dtype
     s = s.replace(
@@ -142,8 +154,13 @@ def serving_config(cfg: RunConfig, settings: ServeConfig, local_devices: int, ba
         f"serve.attention=pallas runs JAX's paged-attention kernel, which needs a GPU; this host's backend is "
         f"{backend}: use serve.attention=xla",
     )
-    model = m.replace(dtype=s.dtype, attention="xla", remat="none", fp8=m.fp8.replace(enabled=False))
-    return Serving(model, s)
+    return Serving(served_model(m, s), s)
+
+
+def served_model(model: ModelConfig, settings: ServeConfig) -> ModelConfig:
+    """`model` as a server computes it: in the serving dtype, plain XLA attention (the decode
+    kernel is the cache's), no remat, no FP8."""
+    return model.replace(dtype=settings.dtype, attention="xla", remat="none", fp8=model.fp8.replace(enabled=False))
 
 
 def _kv_pages(model: ModelConfig, s: ServeConfig) -> int:

@@ -6,7 +6,10 @@ long one) into the pages each row's table names, attending to what those pages a
 a row whose chunk ends its prompt samples its first token. `decode` advances B decoding rows by
 one token each, or, given up to K proposed tokens a row (speculative decoding), feeds them after
 it in the same step and keeps those the model would have drawn (`sampling.verify`) and one more:
-one read of the weights for several tokens. Both take each row's slot, a row of `Slots`: the token it feeds next and its
+one read of the weights for several tokens. With a draft model (`serve.speculative=draft`) the
+proposals are its greedy continuations, drafted on the device in the same step: every step also
+writes the draft's keys and values of what it feeds, so its cache follows the target's pages.
+Both take each row's slot, a row of `Slots`: the token it feeds next and its
 sampling settings stay on the device, so one decode step can be dispatched before the host has
 read the last one's tokens. B, T and the table's width come in a few bucket sizes (`buckets`),
 each compiled when the engine starts. A row draws only tokens its mask allows (a structured
@@ -67,14 +70,28 @@ def _replicated(logits: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(logits, P())
 
 
-def decode(params: dict, pools: Pools, slots: Slots, batch: DecodeBatch, *, model: Model, vocab_size: int):
+def decode(
+    params: dict,
+    pools: Pools,
+    slots: Slots,
+    batch: DecodeBatch,
+    draft_params: dict | None = None,
+    draft_pools: Pools | None = None,
+    *,
+    model: Model,
+    vocab_size: int,
+    draft: Model | None = None,
+):
     """A token for each row of `batch`, after its accepted drafts if it has any: (pools, slots,
-    `Tokens` with log-probs if the batch asks). Without drafts (K = 0) the tokens are [B]; with
-    them [B, K + 1], each row's output in order and -1 past its end. Keys and values of rejected
-    drafts stay in the pages past the row's position, where nothing reads them before a later
-    token overwrites them."""
+    `Tokens` with log-probs if the batch asks, the draft model's pools). Without drafts (K = 0)
+    the tokens are [B]; with them [B, K + 1], each row's output in order and -1 past its end. Keys
+    and values of rejected drafts stay in the pages past the row's position, where nothing reads
+    them before a later token overwrites them. With a `draft` model, each row's drafts (of
+    `batch.drafts`, only how many it wants) are that model's."""
     rows, positions, drafts = batch.slots, batch.positions, batch.drafts
     k = drafts.shape[1]
+    if draft is not None:
+        drafts, draft_pools = _drafted(draft, draft_params, draft_pools, slots.last[rows], batch, vocab_size)
     fed = jnp.concatenate([slots.last[rows][:, None], jnp.maximum(drafts, 0)], axis=1)  # [B, K + 1]
     j = jnp.arange(k + 1)[None]
     live = (j <= jnp.sum(drafts >= 0, axis=1, keepdims=True)) & (positions[:, None] >= 0)
@@ -92,7 +109,27 @@ def decode(params: dict, pools: Pools, slots: Slots, batch: DecodeBatch, *, mode
     tokens = partial(_tokens, vocab_size=vocab_size)
     with_logprobs = partial(_over_positions, tokens) if k else tokens
     out = jax.lax.cond(batch.logprobs, with_logprobs, lambda _, ids: _without_logprobs(ids), logits, ids)
-    return (cache.keys, cache.values), slots, out
+    return (cache.keys, cache.values), slots, out, draft_pools
+
+
+def _drafted(draft: Model, params: dict, pools: Pools, fed: jax.Array, batch: DecodeBatch, vocab_size: int):
+    """(drafts [B, K], the draft's pools): the draft model's greedy continuation of each row's fed
+    token, as many tokens as the row's entries of `batch.drafts` that are not -1 (0 for a row
+    that does not speculate, whose fed token is written all the same). A draft followed by the
+    target is lossless: `verify` keeps a proposed token with the target's probability of it. The
+    last draft token is fed too, so that the draft's cache holds every token the target accepts."""
+    wanted = jnp.sum(batch.drafts >= 0, axis=1)
+
+    def step(carry, j):
+        token, pools = carry
+        live = (batch.positions >= 0) & (j <= wanted)
+        positions = jnp.where(live, batch.positions + j, -1)[:, None]
+        logits, cache = draft.extend(params, token[:, None], positions, KVCache(*pools, batch.table))
+        following = jnp.argmax(logits[:, 0, :vocab_size], axis=-1).astype(jnp.int32)
+        return (following, (cache.keys, cache.values)), following
+
+    (_, pools), proposed = jax.lax.scan(step, (fed, pools), jnp.arange(batch.drafts.shape[1] + 1))
+    return jnp.where(batch.drafts >= 0, proposed[:-1].T, -1), pools
 
 
 def _over_positions(tokens, logits: jax.Array, ids: jax.Array) -> Tokens:
@@ -103,16 +140,30 @@ def _over_positions(tokens, logits: jax.Array, ids: jax.Array) -> Tokens:
 
 
 def prefill(
-    params: dict, pools: Pools, slots: Slots, batch: PrefillBatch, *, model: Model, vocab_size: int, logprobs: bool
+    params: dict,
+    pools: Pools,
+    slots: Slots,
+    batch: PrefillBatch,
+    draft_params: dict | None = None,
+    draft_pools: Pools | None = None,
+    *,
+    model: Model,
+    vocab_size: int,
+    logprobs: bool,
+    draft: Model | None = None,
 ):
     """Chunks `batch.tokens` into the pages of its table, attending to what they already hold; a
     `final` row's chunk ends its prompt: its first token is drawn (with the row's sampling
     settings, which its slot keeps) and becomes what its slot feeds next. (pools, slots, the first
     tokens as `Tokens`, and with `logprobs` each chunk token's prediction of the one following it
-    [B, T] (else zeros): the LM head over every chunk token instead of once a row.)"""
+    [B, T] (else zeros): the LM head over every chunk token instead of once a row; the `draft`
+    model's pools, the chunk written into them too.)"""
     tokens, lengths, rows = batch.tokens, batch.lengths, batch.slots
     t = jnp.arange(tokens.shape[1])[None]
     positions = jnp.where(t < lengths[:, None], batch.starts[:, None] + t, -1)
+    if draft is not None:  # its logits go unused: only its cache is written
+        draft_cache = draft.extend(draft_params, tokens, positions, KVCache(*draft_pools, batch.table), lengths - 1)[1]
+        draft_pools = (draft_cache.keys, draft_cache.values)
     cache = KVCache(*pools, batch.table)
     if logprobs:
         logits, cache = model.extend(params, tokens, positions, cache)
@@ -128,4 +179,4 @@ def prefill(
         slots.last.at[rows].set(jnp.where(batch.final, first, slots.last[rows])),
         jax.tree.map(lambda all_slots, row: all_slots.at[rows].set(row), slots.sampling, sampling),
     )
-    return (cache.keys, cache.values), slots, _tokens(last, first, vocab_size), prompt
+    return (cache.keys, cache.values), slots, _tokens(last, first, vocab_size), prompt, draft_pools

@@ -1,18 +1,24 @@
-"""Speculative decoding by prompt lookup (serve.speculative=ngram) against plain decoding of the
-same checkpoint: greedy outputs are identical token for token, with the same log-probs, on one
-device and tensor-parallel over two, with the prefix cache, under preemption and with stop strings;
-a sampled request's output depends on its request alone; drafts are accepted, the pages of
-rejected ones go back, and /metrics counts them. (That sampled tokens follow the target's
-distribution exactly is `test_sampling`'s, at the verification itself.)"""
+"""Speculative decoding by prompt lookup (serve.speculative=ngram) and by a draft model
+(serve.speculative=draft) against plain decoding of the same checkpoint: greedy outputs are
+identical token for token, with the same log-probs, on one device and tensor-parallel over two,
+with the prefix cache, under preemption and with stop strings; a sampled request's output depends
+on its request alone; drafts are accepted (all of them when the draft is the served model itself,
+whose cache must then follow the target's exactly), the pages of rejected ones go back, and
+/metrics counts them. (That sampled tokens follow the target's distribution exactly is
+`test_sampling`'s, at the verification itself.)"""
 
 import httpx
 import numpy as np
 import pytest
+from support.runs import small_config
 from support.serving import http_server, metric_values
 
+from jaxllm.checkpoint import CheckpointError, write_export
 from jaxllm.config import ConfigError
+from jaxllm.data.tokenizer import get_tokenizer, save_tokenizer, train_bpe
+from jaxllm.model import Model
 from jaxllm.serve.generation import Request
-from jaxllm.serve.load import load_engine
+from jaxllm.serve.load import load_engine, serving_setup
 from jaxllm.serve.scheduler import State
 from jaxllm.serve.settings import ServeConfig
 from jaxllm.serve.speculation import lookup
@@ -20,6 +26,21 @@ from jaxllm.serve.speculation import lookup
 SERVE = {"serve.slots": 4, "model.max_seq_len": 256, "serve.max_len": 160, "serve.prefill_chunk": 32,
          "serve.dtype": "float32"}  # fmt: skip
 NGRAM = {"serve.speculative": "ngram", "serve.draft_tokens": 3, "serve.ngram_min": 1}
+
+
+def _draft(path) -> dict:
+    return {"serve.speculative": "draft", "serve.draft_model": str(path), "serve.draft_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def small_draft(trained, tmp_path_factory):
+    """A draft model of another shape with the served model's tokenizer: random weights, so that
+    many of its proposals are rejected."""
+    directory = tmp_path_factory.mktemp("draft")
+    cfg = small_config(vocab_size=300, num_layers=2, hidden=32, num_heads=4, num_kv_heads=2, mlp=64)
+    write_export(directory, cfg, Model(cfg.model).init(7), 0)
+    save_tokenizer(trained[2], directory / "tokenizer")
+    return directory
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +77,13 @@ def _same(plain, speculative):
                 assert [t for t, _ in s.top[:3]] == [t for t, _ in p.top[:3]]
 
 
-@pytest.mark.parametrize("tensor", [1, 2])
-def test_greedy_speculation_is_greedy_decoding_token_for_token(trained, engines, tensor):
+@pytest.mark.parametrize("tensor,proposer", [(1, "ngram"), (2, "ngram"), (1, "itself"), (2, "small draft")])
+def test_greedy_speculation_is_greedy_decoding_token_for_token(trained, engines, small_draft, tensor, proposer):
     tokenizer = trained[2]
     small_pages = {"serve.tensor": tensor, "serve.page_size": 4}  # drafts often cross into a page
-    plain, speculative = engines(**small_pages), engines(**small_pages, **NGRAM)
+    speculating = {"ngram": NGRAM, "itself": _draft(trained[0]), "small draft": _draft(small_draft)}[proposer]
+    plain, speculative = engines(**small_pages), engines(**small_pages, **speculating)
+    drafted = speculative.draft_tokens
     requests = [Request(p, 48, temperature=0.0, ignore_eos=True, logprobs=3) for p in _prompts(tokenizer)]
     accepted = speculative.accepted_tokens
     generations = [speculative.submit(r) for r in requests]
@@ -71,8 +94,12 @@ def test_greedy_speculation_is_greedy_decoding_token_for_token(trained, engines,
                 assert len(s.pages) <= speculative.pool.pages_for(s.position + 1)
     got = [[(c.tokens, c.finish_reason, c.logprobs) for c in g.choices()] for g in generations]
     _same(_outputs(plain, requests), got)
-    assert speculative.accepted_tokens > accepted and speculative.pool.in_use() == 0
+    assert speculative.draft_tokens > drafted and speculative.pool.in_use() == 0
     assert speculative.device.mesh.shape["tensor"] == tensor
+    if proposer == "itself":  # greedy proposals of the target itself: every one is accepted
+        assert speculative.accepted_tokens - accepted == speculative.draft_tokens - drafted
+    elif proposer == "ngram":  # some lookups are kept (the random small draft's proposals may all be rejected)
+        assert speculative.accepted_tokens > accepted
 
 
 def test_speculation_ends_at_stop_strings_as_plain_decoding_does(trained, engines):
@@ -86,12 +113,15 @@ def test_speculation_ends_at_stop_strings_as_plain_decoding_does(trained, engine
     assert speculative.generate(requests)[0].choices()[0].finish_reason == "stop"
 
 
-def test_preempted_speculating_sequences_resume_with_their_output(trained, engines):
+@pytest.mark.parametrize("proposer", ["ngram", "small draft"])
+def test_preempted_speculating_sequences_resume_with_their_output(trained, engines, small_draft, proposer):
     """A pool too small for four growing requests: sequences are preempted mid-speculation and
-    prefill again; greedy ones equal plain decoding, sampled ones their own output alone."""
+    prefill again (the draft model's cache too); greedy ones equal plain decoding, sampled ones
+    their own output alone."""
     tokenizer = trained[2]
     small = {"serve.kv_pages": 16, "serve.max_len": 128}
-    plain, speculative = engines(**small), engines(**small, **NGRAM)
+    speculating = NGRAM if proposer == "ngram" else _draft(small_draft)
+    plain, speculative = engines(**small), engines(**small, **speculating)
     prompts = _prompts(tokenizer)
     requests = [Request(prompts[r % 3][:40], 80, temperature=0.0 if r % 2 else 0.8, seed=r, ignore_eos=True)
                 for r in range(4)]  # fmt: skip
@@ -133,8 +163,23 @@ def test_lookup_proposes_what_followed_the_longest_latest_match():
     assert lookup([1, 2, 3, 4, 5, 1, 2, 3], 4, 4, 2) == [4, 5, 1, 2]
 
 
-def test_bad_speculation_settings_are_refused():
+def test_bad_speculation_settings_are_refused(trained, tmp_path):
     with pytest.raises(ConfigError, match="ngram_min"):
         ServeConfig(ngram_min=3, ngram_max=2)
     with pytest.raises(ConfigError, match="draft_tokens"):
         ServeConfig(draft_tokens=0)
+    unpaired = ({"speculative": "draft"}, {"speculative": "draft", "draft_model": ""}, {"draft_model": "runs/small"},
+                {"speculative": "ngram", "draft_model": "x"})  # fmt: skip
+    for settings in unpaired:
+        with pytest.raises(ConfigError, match="a draft model is what serve.speculative=draft proposes with"):
+            ServeConfig(**settings)
+    # A draft model of another tokenizer would propose ids that mean other words.
+    other = tmp_path / "other"
+    cfg = small_config(vocab_size=300)
+    write_export(other, cfg, Model(cfg.model).init(0), 0)
+    vocabulary = train_bpe(iter(["another vocabulary"] * 4), 300, tmp_path / "bpe")
+    save_tokenizer(get_tokenizer(vocabulary), other / "tokenizer")
+    with pytest.raises(ConfigError, match=f"serve.draft_model={other} has another tokenizer"):
+        serving_setup(trained[0], {**SERVE, **_draft(other)})
+    with pytest.raises(CheckpointError, match="holds no export and no checkpoint"):
+        serving_setup(trained[0], {**SERVE, **_draft(tmp_path / "missing")})
