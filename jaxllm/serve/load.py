@@ -49,9 +49,9 @@ def serving_setup(
                           "or serve the training run it was exported from")  # fmt: skip
     settings = ServeConfig.from_dict({k[len(SERVE) :]: v for k, v in overrides.items() if k.startswith(SERVE)})
     # A draft model's adapters are folded into its weights, as the served model's are.
-    draft = settings.draft_model and stored_config(settings.draft_model).model.replace(lora=LoraConfig())
-    serving = serving_config(cfg, settings, jax.local_device_count(), jax.default_backend(), draft or None)
-    if draft:
+    draft = stored_config(settings.draft_model).model.replace(lora=LoraConfig()) if settings.draft_model else None
+    serving = serving_config(cfg, settings, jax.local_device_count(), jax.default_backend(), draft)
+    if draft is not None:
         serving = dataclasses.replace(serving, draft=draft_config(draft, serving.settings, saved_tokenizer))
     return serving, saved_tokenizer
 

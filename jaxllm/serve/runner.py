@@ -59,6 +59,10 @@ def no_progress(done: int, total: int) -> None:
     """A `Progress` that tells no one."""
 
 
+def _bytes_on_one_device(tree) -> int:
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
 class Runner:
     """Runs `serving.model` with `params` (in `mesh`'s shardings) over a cache of the shapes in
     `buckets`, and `serving.draft` with `draft_params` beside it if it has one; tokens are drawn
@@ -89,9 +93,8 @@ class Runner:
             self._compile(progress)
         device = mesh.devices.flat[0]
         # What one device reads in a decode step, for the achieved-bandwidth gauge.
-        on_one = lambda tree: sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
-        self.weight_bytes = on_one((params, draft_params))
-        self.kv_bytes_per_token = on_one((self.pools, self.draft_pools)) / (s.kv_pages * s.page_size)
+        self.weight_bytes = _bytes_on_one_device((params, draft_params))
+        self.kv_bytes_per_token = _bytes_on_one_device((self.pools, self.draft_pools)) / (s.kv_pages * s.page_size)
         known = accelerator_of(device.device_kind)
         self.bandwidth = known.hbm if known else copy_bandwidth()  # bytes/s of one device's memory
 

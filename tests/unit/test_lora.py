@@ -152,8 +152,6 @@ def test_adapter_dropout_drops_its_rate_and_keeps_the_expectation():
 
 def test_adapter_dropout_trains_on_every_layout_and_repeats_with_its_seed(single):
     runs = [_train(layout, dropout=0.3) for layout in ({}, {}, dict(data=2, stage=2, tensor=2, microbatches=2))]
-    for run in runs:
-        assert run["run"].cfg.model.lora.dropout == 0.3
     one, again, spread = (r["losses"] for r in runs)
     assert one == again  # the masks are a function of the seed and the step
     assert one[0] == single["losses"][0] and one[1:] != single["losses"][1:]  # b starts at 0: step 0 drops nothing
