@@ -50,7 +50,8 @@ def _config(stages: int, microbatches: int, repeats: int, remat: str):
     return RunConfig().updated(
         model=dict(num_layers=32, hidden=64, num_heads=4, mlp=256, vocab_size=257, max_seq_len=64, qkv_share_every=2,
                    dtype="float32", remat=remat),
-        parallel=dict(data=8 // stages, stage=stages, microbatches=microbatches, repeats=repeats),
+        parallel=dict(data=8 // stages, stage=stages, microbatches=microbatches, repeats=repeats,
+                      schedule="circular" if repeats > 1 else "gpipe"),
         data=dict(bpe_vocab_size=256),
         train=dict(batch_size=128, seq_len=64),  # divisible by data × microbatches for every case below
     )  # fmt: skip

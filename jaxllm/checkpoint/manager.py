@@ -170,7 +170,7 @@ class Checkpointer:
         clock: Callable[[], float] = time.monotonic,
     ):
         self.cfg, self.mesh, self.canonical, self.shardings = cfg, mesh, canonical, shardings
-        self.schedule = cfg.parallel.schedule
+        self.schedule = cfg.parallel.pipeline
         c = cfg.checkpoint
         options = ocp.CheckpointManagerOptions(
             max_to_keep=c.keep,

@@ -15,6 +15,7 @@ from jaxllm.config.section import ConfigError, Section, apply_overrides, field, 
 from jaxllm.config.sections import (
     MESH_AXES,
     REMAT_POLICIES,
+    TABLE_SCHEDULES,
     CheckpointConfig,
     DataConfig,
     Fp8Config,
@@ -31,6 +32,7 @@ from jaxllm.config.sections import (
 
 __all__ = [
     "MESH_AXES", "REMAT_POLICIES", "CheckpointConfig", "ConfigError", "DataConfig", "Fp8Config", "InitConfig",
-    "LoraConfig", "ModelConfig", "ParallelConfig", "RopeScaling", "RunConfig", "Schedule", "Section", "TrainConfig",
+    "LoraConfig", "ModelConfig", "ParallelConfig", "RopeScaling", "RunConfig", "Schedule", "Section", "TABLE_SCHEDULES",
+    "TrainConfig",
     "apply_overrides", "base_config", "field", "load_config", "require", "step_range", "validate", "validate_tensor",
 ]  # fmt: skip

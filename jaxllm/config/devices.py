@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jaxllm.config.section import require
-from jaxllm.config.sections import ModelConfig, RunConfig
+from jaxllm.config.sections import TABLE_SCHEDULES, ModelConfig, RunConfig
 
 
 def validate_tensor(m: ModelConfig, tensor: int, field_name: str) -> None:
@@ -62,6 +62,11 @@ def validate(cfg: RunConfig, num_devices: int, backend: str | None = None) -> tu
         m.quantize is None or m.lora.rank > 0,
         f"model.quantize={m.quantize!r} holds int8 weights, which do not train; fine-tune LoRA adapters on "
         "the int8 base (model.lora.rank > 0), or train in full precision and serve with --quantize int8",
+    )
+    require(
+        m.lora.rank == 0 or p.stage == 1 or p.schedule not in TABLE_SCHEDULES,
+        f"model.lora.rank={m.lora.rank} under parallel.schedule={p.schedule}: LoRA adapters train in the gpipe "
+        "and circular pipelines; set parallel.schedule=gpipe (or circular with repeats)",
     )
     require(
         cfg.data.tokenizer != "bpe" or cfg.data.bpe_vocab_size <= m.vocab_size,

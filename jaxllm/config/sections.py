@@ -19,6 +19,10 @@ MlpActivation = Literal["swiglu", "geglu", "gelu"]
 AttentionKernel = Literal["xla", "cudnn", "pallas"]
 RematPolicy = Literal["none", "full", "group", "selective", "dots", "offload"]
 AmaxReduce = Literal["global", "local"]
+PipelineSchedule = Literal["gpipe", "circular", "1f1b", "interleaved_1f1b"]
+# Schedules run by a timetable (`parallel/timetable.py`) rather than as a forward loop JAX transposes.
+TABLE_SCHEDULES = ("1f1b", "interleaved_1f1b")
+_CHUNKED_SCHEDULES = ("circular", "interleaved_1f1b")  # those whose stages each hold `repeats` chunks
 RopeScalingType = Literal["none", "linear", "llama3"]
 Quantize = Literal["int8"]
 REMAT_POLICIES = typing.get_args(RematPolicy)
@@ -186,6 +190,7 @@ class Schedule(NamedTuple):
     stages: int
     repeats: int
     microbatches: int
+    kind: str = "gpipe"
 
     @property
     def iterations(self) -> int:
@@ -193,7 +198,9 @@ class Schedule(NamedTuple):
 
     @property
     def bubble(self) -> float:
-        """Fraction of stage-iterations that do no useful work."""
+        """Fraction of stage-iterations that do no useful work: the same for 1F1B as for GPipe, and
+        for interleaved 1F1B as for the circular schedule (`parallel/timetable.py` derives it from
+        each timetable)."""
         return (self.stages - 1) / self.iterations
 
 
@@ -208,7 +215,14 @@ class ParallelConfig(Section):
     stage: int = field(1, "pipeline stages")
     tensor: int = field(1, "tensor-parallel devices (Megatron's, by heads)")
     microbatches: int = field(1, "a pipeline's microbatches per step")
-    repeats: int = field(1, "a circular pipeline's passes over the stages")
+    repeats: int = field(1, "chunks per stage: a circular or interleaved pipeline's passes over the stages")
+    schedule: PipelineSchedule = field(
+        "gpipe",
+        "the pipeline's order of work: gpipe (all forwards, then all backwards), circular (gpipe over "
+        "`repeats` chunks per stage), 1f1b (a microbatch's backward as soon as it can: a few "
+        "microbatches held per stage, not all), interleaved_1f1b (1f1b over `repeats` chunks: a "
+        "smaller bubble)",
+    )
     zero1: bool = field(True, "the optimizer state (and summed gradients) also split over data")
     sequence_parallel: bool = field(False, "the residual stream split over tensor along the sequence")
     offload_optimizer: bool = field(False, "the optimizer state in pinned host memory between steps")
@@ -220,6 +234,22 @@ class ParallelConfig(Section):
         require(
             self.stage > 1 or self.repeats == 1,
             f"parallel.repeats={self.repeats} needs a pipeline; set parallel.stage > 1 or repeats=1",
+        )
+        chunked = self.schedule in _CHUNKED_SCHEDULES
+        require(
+            self.repeats == 1 or chunked,
+            f"parallel.repeats={self.repeats} with parallel.schedule={self.schedule}: chunks per stage need "
+            f"schedule=circular or interleaved_1f1b (or repeats=1)",
+        )
+        require(
+            self.repeats > 1 or not chunked or self.stage == 1,
+            f"parallel.schedule={self.schedule} passes over the stages `repeats` times; set parallel.repeats >= 2 "
+            f"(or schedule={'gpipe' if self.schedule == 'circular' else '1f1b'})",
+        )
+        require(
+            self.schedule != "interleaved_1f1b" or self.microbatches % self.stage == 0,
+            f"parallel.schedule=interleaved_1f1b sends microbatches through each chunk in groups of "
+            f"parallel.stage={self.stage}; set parallel.microbatches={self.microbatches} to a multiple of it",
         )
         require(
             self.stage == 1 or self.microbatches >= self.stage,
@@ -233,9 +263,9 @@ class ParallelConfig(Section):
         return {axis: getattr(self, axis) for axis in MESH_AXES}
 
     @property
-    def schedule(self) -> Schedule | None:
+    def pipeline(self) -> Schedule | None:
         """The pipeline schedule, or None when `stage` is 1."""
-        return Schedule(self.stage, self.repeats, self.microbatches) if self.stage > 1 else None
+        return Schedule(self.stage, self.repeats, self.microbatches, self.schedule) if self.stage > 1 else None
 
     def mesh_shape(self, num_devices: int) -> tuple[int, ...]:
         """Mesh sizes in MESH_AXES order, with a single -1 filled from the device count."""

@@ -21,13 +21,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllm.config import ModelConfig, Schedule
+from jaxllm.config import TABLE_SCHEDULES, ModelConfig, Schedule
 from jaxllm.model import layers
 from jaxllm.model.blocks import UNSTACKED, Attention, DecoderLayer, Norm, Stack
 from jaxllm.model.cache import KVCache
 from jaxllm.model.params import Params, declare, init_params, params_of, specs_of
 from jaxllm.parallel.pipeline import gather_stage_weights, pipeline_stack
 from jaxllm.parallel.rules import AXIS_RULES, constrain
+from jaxllm.parallel.scheduled import scheduled_loss
 from jaxllm.parallel.tensor_parallel import RESIDUAL
 
 # Activations that the 'selective' policy keeps (and 'offload' moves to host) instead of recomputing.
@@ -117,6 +118,23 @@ def scan_groups(graph: nnx.GraphDef, remat: str, groups: Params, x: jax.Array, c
     return x
 
 
+def head_logits(model: ModelConfig, head: Params, x: jax.Array) -> jax.Array:
+    """fp32 logits [batch, seq, padded_vocab] of the final norm's `head["norm"]` and the output
+    projection `head["matrix"]`; padded vocab entries are masked to NEG_INF."""
+    x = layers.norm(x, head["norm"], model.norm, model.norm_eps)
+    matrix = head["matrix"].astype(model.dtype)
+    logits = jnp.einsum("bte,ev->btv", x, matrix, preferred_element_type=jnp.float32)
+    logits = constrain(logits, "batch", "head_seq", "vocab")
+    return jnp.where(jnp.arange(model.padded_vocab) < model.vocab_size, logits, layers.NEG_INF)
+
+
+def summed_loss(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
+    """Next-token cross-entropy of `targets` [batch, seq] summed over the tokens `mask` weighs, in fp32."""
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum((lse - target_logit) * mask.astype(jnp.float32))
+
+
 class Decoder(nnx.Module):
     """Decoder-only LM. Initial values are a pure function of the seed in `rngs` (its `params`
     stream's key) and each parameter's path: `Decoder(model, rngs=nnx.Rngs(s))` holds exactly the
@@ -152,6 +170,35 @@ class Decoder(nnx.Module):
         x, ctx = self._embed(tokens, segment_ids, positions)
         return self._head(self._stack(x, ctx._replace(dropout=dropout), copies))
 
+    def loss_sums(
+        self,
+        tokens: jax.Array,
+        targets: jax.Array,
+        mask: jax.Array,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        copies: Params | None = None,
+        dropout: jax.Array | None = None,
+    ) -> jax.Array:
+        """The next-token cross-entropy of `targets`, summed over the tokens `mask` weighs, in fp32.
+        A pipeline run by a timetable (1F1B) computes it inside its loop, the head included."""
+        x, ctx = self._embed(tokens, segment_ids, positions)
+        ctx = ctx._replace(dropout=dropout)
+        if self.schedule is None or self.schedule.kind not in TABLE_SCHEDULES:
+            return summed_loss(self._head(self._stack(x, ctx, copies)), targets, mask)
+        specs = specs_of(self.groups)
+        groups, graph = params_of(self.groups), nnx.graphdef(self.groups)
+        if copies is None:
+            copies = gather_stage_weights(groups, specs, jnp.dtype(self.model.dtype))
+
+        def loss_fn(head, out, targets, mask):
+            return summed_loss(head_logits(self.model, head, out), targets, mask)
+
+        stack_fn = partial(scan_groups, graph, self.model.remat)
+        return scheduled_loss(
+            groups, specs, self._head_params(), x, ctx, targets, mask, self.schedule, stack_fn, loss_fn, copies
+        )
+
     def extend(
         self, tokens: jax.Array, positions: jax.Array | None, cache: KVCache, logits_at: jax.Array | None = None
     ) -> tuple[jax.Array, KVCache]:
@@ -176,13 +223,12 @@ class Decoder(nnx.Module):
         table = constrain(self.embed.get_value(), "vocab", None)
         return constrain(jnp.take(table, tokens, axis=0).astype(model.dtype), *RESIDUAL), ctx
 
+    def _head_params(self) -> Params:
+        matrix = self.embed.get_value().T if self.model.tie_embeddings else self.lm_head.get_value()
+        return {"norm": params_of(self.final_norm), "matrix": matrix}
+
     def _head(self, x: jax.Array) -> jax.Array:
-        model, dt = self.model, jnp.dtype(self.model.dtype)
-        x = self.final_norm(x)
-        head = self.embed.get_value().T if model.tie_embeddings else self.lm_head.get_value()
-        logits = jnp.einsum("bte,ev->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
-        logits = constrain(logits, "batch", "head_seq", "vocab")
-        return jnp.where(jnp.arange(model.padded_vocab) < model.vocab_size, logits, layers.NEG_INF)
+        return head_logits(self.model, self._head_params(), x)
 
     def _stack(self, x: jax.Array, ctx: layers.Context, copies: Params | None) -> jax.Array:
         graph, groups = nnx.graphdef(self.groups), params_of(self.groups)
@@ -220,7 +266,7 @@ class Model:
     the graph to the plain dict of params it is given (`nnx.merge`), so jitted functions see
     plain dicts, and no module tree is built while they trace.
 
-        model = Model(cfg.model)                    # or Model(cfg.model, cfg.parallel.schedule)
+        model = Model(cfg.model)                    # or Model(cfg.model, cfg.parallel.pipeline)
         params = model.init(seed=0)                 # the trainer's initial weights for train.seed=0
         logits = model.logits(params, tokens)       # training and evaluation
         logits, cache = model.prefill(params, prompt, KVCache.empty(cfg.model, 1, 64))
@@ -255,6 +301,18 @@ class Model:
         """fp32 logits [batch, seq, padded_vocab] (see `Decoder.__call__`). With a pipeline
         schedule, params hold the groups in its view, and `copies` may hold their `stage_copies`."""
         return self.bind(params)(tokens, segment_ids, positions, copies, dropout)
+
+    def loss_sums(
+        self, params: Params, batch: dict, copies: Params | None = None, dropout: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """(sum of next-token cross-entropy over unmasked tokens, number of unmasked tokens), in
+        fp32, of a batch ('inputs', 'targets', optional 'loss_mask', 'segment_ids', 'positions');
+        with LoRA dropout when given its key."""
+        mask = batch.get("loss_mask", jnp.ones_like(batch["targets"])).astype(jnp.float32)
+        total = self.bind(params).loss_sums(
+            batch["inputs"], batch["targets"], mask, batch.get("segment_ids"), batch.get("positions"), copies, dropout
+        )
+        return total, jnp.sum(mask)
 
     def extend(
         self,

@@ -35,12 +35,12 @@ MANUAL_AXES = frozenset(MESH_AXES)
 BATCH_AXES = as_tuple(RULES["batch"])  # the data-parallel mesh axes
 
 
-def _stage_major_arrays(groups):
+def stage_major_arrays(groups):
     """[repeats, stages, ...] → [stages, repeats, ...], the loop's order."""
     return jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), groups)
 
 
-def _stage_major(specs):
+def stage_major(specs):
     """Logical axes of each weight as the loop takes it: [stages, repeats, groups_per_stage, ...]."""
     return jax.tree.map(lambda s: (s.axes[1], s.axes[0], *s.axes[2:]), specs, is_leaf=lambda x: hasattr(x, "axes"))
 
@@ -55,11 +55,11 @@ def gather_stage_weights(groups, specs, dtype) -> dict:
         keep = spec.keep_fp32 or not jnp.issubdtype(a.dtype, jnp.floating)
         return constrain(a if keep else a.astype(dtype), *axes, rules=GATHERED_RULES)
 
-    copies = jax.tree.map(one, _stage_major_arrays(groups), specs, _stage_major(specs))
+    copies = jax.tree.map(one, stage_major_arrays(groups), specs, stage_major(specs))
     return jax.lax.stop_gradient(copies)
 
 
-def _varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
+def varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
     """`x` marked per-device along every manual axis that `like` varies over."""
     missing = tuple(varying_axes(like) - varying_axes(x))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
@@ -69,7 +69,7 @@ def _varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
 def _grad_sink(shard: jax.Array, copy: jax.Array, spec: P) -> jax.Array:
     """fp32 zeros shaped like `copy` (this device's gathered weight); the gradient they receive is
     summed over the data-parallel devices and lands on `shard` (this device's fp32 parameter)."""
-    return _varying_like(jnp.zeros(copy.shape, jnp.float32), copy)
+    return varying_like(jnp.zeros(copy.shape, jnp.float32), copy)
 
 
 def _grad_sink_fwd(shard, copy, spec):
@@ -77,16 +77,21 @@ def _grad_sink_fwd(shard, copy, spec):
 
 
 def _grad_sink_bwd(spec, _, grad):
-    """One fp32 reduce-scatter over the data-parallel axes that split the parameter, one sum over
-    the other axes the gradient varies over but the parameter does not (the other data-parallel
-    axes; `tensor` for a replicated weight applied to a sequence split over it)."""
+    return reduced_grad(grad, spec), None
+
+
+def reduced_grad(grad: jax.Array, spec: P) -> jax.Array:
+    """A device's fp32 gradient of a parameter sharded as `spec` (without its stage dim), summed
+    over the devices: one reduce-scatter over the data-parallel axes that split the parameter, one
+    sum over the other axes the gradient varies over but the parameter does not (the other
+    data-parallel axes; `tensor` for a replicated weight applied to a sequence split over it)."""
     split = {axis: dim for dim, axes in enumerate(spec) for axis in as_tuple(axes) if axis in BATCH_AXES}
     for axis, dim in split.items():
         grad = reduce_scatter_sum(grad, axis, dim)
     held = {axis for axes in spec for axis in as_tuple(axes)} | {"stage"}
     if rest := tuple(sorted(varying_axes(grad) - held)):
         grad = jax.lax.psum(grad, rest)
-    return grad, None
+    return grad
 
 
 _grad_sink.defvjp(_grad_sink_fwd, _grad_sink_bwd)
@@ -129,13 +134,13 @@ def _with_fp32_grad_bwd(_, grad):
 _with_fp32_grad.defvjp(_with_fp32_grad_fwd, _with_fp32_grad_bwd)
 
 
-def _loop_weight(copy: jax.Array, sink: jax.Array, spec) -> Copy | jax.Array:
+def loop_weight(copy: jax.Array, sink: jax.Array, spec) -> Copy | jax.Array:
     """What the loop computes with: a projection's weight as a `Copy`, any other (a norm's, kept in
     fp32) as its copy passing its cotangent to the sink."""
     return Copy(copy, sink) if spec.quantizable else _with_fp32_grad(copy, sink)
 
 
-def _merge(a: jax.Array) -> jax.Array:
+def merge_microbatches(a: jax.Array) -> jax.Array:
     """Inverse of `split_microbatches`."""
     return jnp.swapaxes(a, 0, 1).reshape(-1, *a.shape[2:])
 
@@ -150,7 +155,7 @@ def pipeline_stack(groups, specs, x: jax.Array, ctx, schedule: Schedule, stack_f
     """
     r, s, m = schedule.repeats, schedule.stages, schedule.microbatches
     delay = m - s if r > 1 else 0  # iterations the last stage's output waits for stage 0
-    axes = _stage_major(specs)
+    axes = stage_major(specs)
     spec_of = partial(manual_spec, manual_axes=MANUAL_AXES)
     shard_specs = jax.tree.map(lambda a: spec_of(*a), axes, is_leaf=is_axes)
     copy_specs = jax.tree.map(lambda a: spec_of(*a, rules=GATHERED_RULES), axes, is_leaf=is_axes)
@@ -164,7 +169,7 @@ def pipeline_stack(groups, specs, x: jax.Array, ctx, schedule: Schedule, stack_f
         """The loop as seen by one device."""
         stage = jax.lax.axis_index("stage")
         micro = to_varying(micro, "stage")
-        copies = jax.tree.map(lambda c: _varying_like(c[0], micro), copies)
+        copies = jax.tree.map(lambda c: varying_like(c[0], micro), copies)
         sinks = jax.tree.map(
             lambda w, c, spec: _grad_sink(w[0], c, P(*spec[1:])), shards, copies, shard_specs, is_leaf=is_axes
         )
@@ -174,7 +179,7 @@ def pipeline_stack(groups, specs, x: jax.Array, ctx, schedule: Schedule, stack_f
             work = i - stage  # repeat·M + microbatch of this stage's current work
             repeat, mb = jnp.clip(work // m, 0, r - 1), work % m
             weights = jax.tree.map(
-                lambda c, sink, spec: _loop_weight(c[repeat], sink[repeat], spec), copies, sinks, specs
+                lambda c, sink, spec: loop_weight(c[repeat], sink[repeat], spec), copies, sinks, specs
             )
             # Each stage, repeat and microbatch (`work`) draws its own LoRA dropout masks.
             stage_ctx = jax.tree.map(lambda a: a[mb], ctx_micro)._replace(dropout=dropout)
@@ -189,7 +194,7 @@ def pipeline_stack(groups, specs, x: jax.Array, ctx, schedule: Schedule, stack_f
             return (jnp.where(stage == 0, first, shifted), waiting), shifted
 
         stage_in = jnp.where(stage == 0, micro[0], jnp.zeros_like(micro[0]))
-        waiting = _varying_like(jnp.zeros((delay, *micro.shape[1:]), x.dtype), stage_in)
+        waiting = varying_like(jnp.zeros((delay, *micro.shape[1:]), x.dtype), stage_in)
         body = jax.checkpoint(iteration, policy=jax.checkpoint_policies.nothing_saveable)
         _, finished = jax.lax.scan(body, (stage_in, waiting), jnp.arange(schedule.iterations))
         # Microbatch j leaves the last stage for good at iteration (repeats−1)·M + j + stages − 1;
@@ -203,4 +208,4 @@ def pipeline_stack(groups, specs, x: jax.Array, ctx, schedule: Schedule, stack_f
         out_specs=out_spec,
         axis_names=MANUAL_AXES,
     )
-    return _merge(run(_stage_major_arrays(groups), copies, micro, ctx_micro, ctx.dropout))
+    return merge_microbatches(run(stage_major_arrays(groups), copies, micro, ctx_micro, ctx.dropout))

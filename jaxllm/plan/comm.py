@@ -77,7 +77,7 @@ def communication(cfg: RunConfig, backend: str = "gpu") -> list[Transfer]:
     devices compares with backend 'cpu'."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     n = mesh_sizes(cfg)
-    schedule, accum, share, layers = cfg.parallel.schedule, t.grad_accum_steps, m.qkv_share_every, m.num_layers
+    schedule, accum, share, layers = cfg.parallel.pipeline, t.grad_accum_steps, m.qkv_share_every, m.num_layers
     specs = specs_of(m)
     tensor_only = jax.sharding.AbstractMesh((1, 1, 1, n["tensor"]), MESH_AXES)
 

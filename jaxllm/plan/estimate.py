@@ -82,7 +82,7 @@ def estimate(cfg: RunConfig, accelerator: Accelerator, efficiency: Efficiency = 
     hardware_flops = model_flops + recomputed_flops_per_token(cfg) * tokens / devices
     peak = accelerator.fp8_flops if m.fp8.enabled else accelerator.bf16_flops
     compute = hardware_flops / (peak * efficiency.matmul)
-    if (schedule := cfg.parallel.schedule) is not None:
+    if (schedule := cfg.parallel.pipeline) is not None:
         compute /= 1 - schedule.bubble
     exposed = overlapped = 0.0
     for transfer in communication(cfg):

@@ -91,7 +91,7 @@ def memory(cfg: RunConfig) -> dict[str, float]:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     sizes = mesh_sizes(cfg)
     mesh = jax.sharding.AbstractMesh(tuple(sizes.values()), MESH_AXES)
-    schedule = cfg.parallel.schedule
+    schedule = cfg.parallel.pipeline
     specs = specs_of(m, schedule)
     trained = partition(specs, trained_mask(specs, m))[0]
     fp32, param = _itemsize(jnp.float32), _itemsize(m.param_dtype)

@@ -44,7 +44,7 @@ def plot(cfg: RunConfig, path: str) -> None:
         mem_ax.annotate(f"{', '.join(names)} less {HEADROOM:.0%}", (-0.38, budget), fontsize=7, va="bottom")
     mem_ax.set(xticks=[], ylabel="GiB per device", title="memory per device, by component")
     mem_ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.02))
-    if (schedule := cfg.parallel.schedule) is None:
+    if (schedule := cfg.parallel.pipeline) is None:
         pipe_ax.text(0.5, 0.5, "no pipeline (parallel.stage = 1)", ha="center", va="center")
         pipe_ax.set_axis_off()
     else:

@@ -48,7 +48,7 @@ def summary(cfg: RunConfig, convention: str = "ours") -> str:
     lines.append(precision)
     widths = ", ".join(f"{width} {n / 1e9:.4g}" for width, n in weight_bytes(model).items())
     lines.append(f"weights, GB: {widths}")
-    if (schedule := cfg.parallel.schedule) is not None:
+    if (schedule := cfg.parallel.pipeline) is not None:
         lines.append(
             f"pipeline: {schedule.stages} stages × {schedule.repeats} repeats, {schedule.microbatches} microbatches, "
             f"{schedule.iterations} iterations, bubble {schedule.bubble:.1%}"

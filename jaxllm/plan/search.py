@@ -27,6 +27,7 @@ class Layout:
     microbatches: int
     repeats: int
     sequence_parallel: bool
+    schedule: str = "gpipe"
 
     def apply(self, cfg: RunConfig) -> RunConfig:
         """`cfg` in this layout; `ConfigError` if it cannot take it."""
@@ -41,7 +42,10 @@ class Layout:
     @classmethod
     def of(cls, cfg: RunConfig) -> Layout:
         p = cfg.parallel
-        return cls(p.tensor, p.stage, p.fsdp, p.data, cfg.model.remat, p.microbatches, p.repeats, p.sequence_parallel)
+        return cls(
+            p.tensor, p.stage, p.fsdp, p.data, cfg.model.remat, p.microbatches, p.repeats, p.sequence_parallel,
+            p.schedule,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +72,7 @@ def layouts(cfg: RunConfig, gpus: int, per_node: int) -> Iterator[Layout]:
                 repeats = [1] if stage == 1 else [r for r in _divisors(groups // stage) if r <= 4]
                 sequence_parallel = (False, True) if tensor > 1 else (False,)
                 for remat, m, r, sp in itertools.product(REMATS, micro, repeats, sequence_parallel):
-                    yield Layout(tensor, stage, fsdp, data, remat, m, r, sp)
+                    yield Layout(tensor, stage, fsdp, data, remat, m, r, sp, "circular" if r > 1 else "gpipe")
 
 
 def search(

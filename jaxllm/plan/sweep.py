@@ -49,6 +49,8 @@ class Row:
             "skipped": self.skipped,
         }
 
+ONE_CHUNK = {"circular": "gpipe", "interleaved_1f1b": "1f1b"}  # each schedule without its chunks
+
 
 def describe(layout: Layout) -> str:
     """A layout in a few words: its mesh axes over 1, microbatches and repeats of a pipeline, remat
@@ -75,8 +77,10 @@ def hand_layouts(cfg: RunConfig, gpus: int, multiples: Iterable[int] = MICROBATC
     out = []
     for tensor, stages in ((NODE, 1), (1, stage), (4, 2)):
         data = max(gpus // (tensor * stages), 1)
-        base = dataclasses.replace(own, tensor=tensor, stage=stages, fsdp=1, data=data, microbatches=1, repeats=1,
-                                   sequence_parallel=False)  # fmt: skip
+        base = dataclasses.replace(
+            own, tensor=tensor, stage=stages, fsdp=1, data=data, microbatches=1, repeats=1, sequence_parallel=False,
+            schedule=ONE_CHUNK.get(own.schedule, own.schedule),
+        )
         if stages == 1:
             out.append(base)
             continue
@@ -91,7 +95,7 @@ def planned(cfg: RunConfig, accelerator: Accelerator, efficiency: Efficiency) ->
     """The planner's figures for `cfg`, and its terms at full efficiency (what `fit` fits)."""
     e: Estimate = estimate(cfg, accelerator, efficiency)
     unit = estimate(cfg, accelerator, Efficiency(1.0, 1.0))
-    t, schedule = cfg.train, cfg.parallel.schedule
+    t, schedule = cfg.train, cfg.parallel.pipeline
     return {
         "step_s": e.step,
         "tokens_per_s": t.batch_size * t.seq_len / e.step,

@@ -61,7 +61,7 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def build_run(cfg: RunConfig, mesh: Mesh) -> Run:
-    schedule, p = cfg.parallel.schedule, cfg.parallel
+    schedule, p = cfg.parallel.pipeline, cfg.parallel
     model = Model(cfg.model, schedule)
     specs = model.specs
     trained = trained_mask(specs, cfg.model)

@@ -27,12 +27,7 @@ def loss_sums(
 ) -> tuple[jax.Array, jax.Array]:
     """(sum of next-token cross-entropy over unmasked tokens, number of unmasked tokens), in fp32;
     with LoRA dropout when given its key."""
-    inputs, segments, positions = batch["inputs"], batch.get("segment_ids"), batch.get("positions")
-    logits = model.logits(params, inputs, segments, positions, copies, dropout)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
-    mask = batch.get("loss_mask", jnp.ones_like(batch["targets"])).astype(jnp.float32)
-    return jnp.sum((lse - target_logit) * mask), jnp.sum(mask)
+    return model.loss_sums(params, batch, copies, dropout)
 
 
 def mean_loss(params: dict, batch: Batch, model: Model) -> jax.Array:
@@ -42,7 +37,7 @@ def mean_loss(params: dict, batch: Batch, model: Model) -> jax.Array:
 
 def init_params(cfg: RunConfig) -> dict:
     """The decoder's initial params with the run's seed, in the run's pipeline view."""
-    return Model(cfg.model, cfg.parallel.schedule).init(cfg.train.seed)
+    return Model(cfg.model, cfg.parallel.pipeline).init(cfg.train.seed)
 
 
 def init_state(run: Run) -> State:

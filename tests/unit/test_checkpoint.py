@@ -44,7 +44,7 @@ def _steps(cfg, mesh, state, first, count):
 LAYOUTS = {
     "fsdp4 tensor2": dict(fsdp=4, tensor=2),
     "one device": dict(data=1),
-    "pipeline S2 R2 data4": dict(stage=2, microbatches=2, repeats=2, data=4),
+    "pipeline S2 R2 data4": dict(stage=2, microbatches=2, repeats=2, data=4, schedule="circular"),
     "pipeline S4 R1 data2": dict(stage=4, microbatches=4, data=2),
 }
 
@@ -78,7 +78,8 @@ def test_restore_onto_another_layout_continues_the_same(saved, layout):
 
 
 @pytest.mark.parametrize(
-    "layout", [dict(stage=4, microbatches=4, data=2), dict(stage=2, microbatches=2, repeats=2, data=4)]
+    "layout",
+    [dict(stage=4, microbatches=4, data=2), dict(stage=2, microbatches=2, repeats=2, data=4, schedule="circular")],
 )
 def test_pipelined_restore_target_takes_the_training_states_bytes_per_device(layout):
     """The canonical state a pipelined run reads into is split over `stage` like the run's own,

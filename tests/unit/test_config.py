@@ -53,7 +53,8 @@ CASES = {
         ["parallel.microbatches=1 < parallel.stage=2", "microbatches >= 2"],
     ),
     "groups vs stages": (
-        {"parallel.stage": 4, "parallel.data": 2, "parallel.microbatches": 4, "parallel.repeats": 2},
+        {"parallel.stage": 4, "parallel.data": 2, "parallel.microbatches": 4, "parallel.repeats": 2,
+         "parallel.schedule": "circular"},
         ["gives 2 QKV groups", "parallel.stage=4 × parallel.repeats=2", "multiple of 16"],
     ),
     "stages that work": (
@@ -76,6 +77,25 @@ CASES = {
     "log_every": ({"train.log_every": 0}, ["train.log_every=0 must be at least 1"]),
     "empty prompt": ({"train.sample_prompt": ""}, ["train.sample_prompt is empty"]),
     "repeats without pipeline": ({"parallel.repeats": 2}, ["parallel.repeats=2 needs a pipeline"]),
+    "chunks under gpipe": (
+        {"parallel.stage": 2, "parallel.data": 4, "parallel.microbatches": 2, "parallel.repeats": 2},
+        ["parallel.repeats=2 with parallel.schedule=gpipe", "schedule=circular or interleaved_1f1b"],
+    ),
+    "circular without chunks": (
+        {"parallel.stage": 2, "parallel.data": 4, "parallel.microbatches": 2, "parallel.schedule": "circular"},
+        ["parallel.schedule=circular passes over the stages", "repeats >= 2", "schedule=gpipe"],
+    ),
+    "interleaved groups of stages": (
+        {"parallel.stage": 4, "parallel.data": 2, "parallel.microbatches": 6, "parallel.repeats": 2,
+         "parallel.schedule": "interleaved_1f1b", "model.num_layers": 16},
+        ["groups of parallel.stage=4", "parallel.microbatches=6 to a multiple of it"],
+    ),
+    "schedule name": ({"parallel.schedule": "zb"}, ["parallel.schedule='zb'", "'1f1b'"]),
+    "LoRA under 1f1b": (
+        {"parallel.stage": 2, "parallel.data": 4, "parallel.microbatches": 2, "parallel.schedule": "1f1b",
+         "model.lora.rank": 4},
+        ["model.lora.rank=4 under parallel.schedule=1f1b", "schedule=gpipe"],
+    ),
     "gqa ratio": ({"model.num_kv_heads": 3}, ["model.num_heads=8", "model.num_kv_heads=3"]),
     "checkpoints kept": ({"checkpoint.keep": 0}, ["checkpoint.keep=0 must be at least 1"]),
     "checkpoint cadence": ({"checkpoint.every_steps": -5}, ["checkpoint.every_steps=-5 must be at least 0"]),
@@ -151,7 +171,7 @@ def test_a_config_is_frozen_hashable_and_round_trips_through_its_dict():
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.model.hidden = 3
     assert (cfg.model.head_dim, cfg.model.num_kv_heads, cfg.model.groups, cfg.model.padded_vocab) == (8, 4, 2, 384)
-    assert cfg.parallel.schedule.bubble == 1 / 3
+    assert cfg.parallel.pipeline.bubble == 1 / 3
 
 
 SERVE_CASES = {

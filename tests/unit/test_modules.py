@@ -34,7 +34,7 @@ GOLDEN_CONFIGS = {  # the init code paths: weights, a norm bias, a cast, no sepa
     "layernorm": ({"norm": "layernorm"}, {}),
     "bf16_params": ({"param_dtype": "bfloat16"}, {}),
     "tied": ({"tie_embeddings": True}, {}),
-    "pipeline_S2_R2": ({"num_layers": 16}, {"stage": 2, "repeats": 2, "microbatches": 4}),
+    "pipeline_S2_R2": ({"num_layers": 16}, {"stage": 2, "repeats": 2, "microbatches": 4, "schedule": "circular"}),
 }
 
 
@@ -74,7 +74,7 @@ def test_module_init_ignores_rng_counters_and_equals_the_sharded_trainer_init():
         sharded = jax.device_get(init_state(build_run(cfg, mesh))["params"])
     rngs = nnx.Rngs(cfg.train.seed)
     rngs.params(), rngs()  # draws before construction change no initial value
-    module = Decoder(cfg.model, rngs=rngs, schedule=cfg.parallel.schedule)
+    module = Decoder(cfg.model, rngs=rngs, schedule=cfg.parallel.pipeline)
     chex.assert_trees_all_equal(params_of(module), sharded)
 
 

@@ -1,0 +1,194 @@
+"""A pipeline run by a timetable (`parallel/timetable.py`: 1F1B, interleaved 1F1B), whose forwards
+and backwards of different microbatches interleave, so a stage holds a few microbatches' inputs in
+flight where GPipe holds all M.
+
+Such a loop cannot be JAX's transpose of a forward loop: a microbatch's backward starts before the
+last microbatch's forward. So the head and the loss run inside it, on the last virtual stage, and
+one `lax.scan` inside a `shard_map` (manual over every mesh axis) computes the loss and every
+gradient at once: in each step a stage back-propagates one work unit (recomputing its forward from
+the stashed input, as GPipe's rematerialised iterations do) and forwards another, then hands
+activations on and gradients back with one `ppermute` each. A `custom_vjp` makes the result an
+ordinary differentiable function of the stage weights, the head and the embedded inputs, whose
+backward pass only scales the gradients it already holds.
+
+Weights as in `pipeline.py`: the loop computes with the compute-dtype `copies` gathered once per
+step; each backward's weight gradients reach fp32 sinks (never rounded to bf16) and add up per
+device in fp32, and are reduced over the data-parallel devices once, after the loop.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxllm.config import Schedule
+from jaxllm.parallel.collectives import reduce_scatter_sum, to_varying, varying_axes
+from jaxllm.parallel.pipeline import (
+    MANUAL_AXES,
+    loop_weight,
+    merge_microbatches,
+    reduced_grad,
+    stage_major,
+    stage_major_arrays,
+    varying_like,
+)
+from jaxllm.parallel.rules import GATHERED_RULES, active_rules, as_tuple, is_axes, manual_spec
+from jaxllm.parallel.schedule import split_microbatches
+from jaxllm.parallel.tensor_parallel import RESIDUAL
+from jaxllm.parallel.timetable import IDLE, build
+
+
+def _varying_over(x: jax.Array, axes: frozenset[str]) -> jax.Array:
+    missing = tuple(sorted(axes - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def scheduled_loss(groups, specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_fn, copies):
+    """The loss of `x` (embedded inputs [batch, seq, embed]) through the stages, summed over the
+    microbatches of `loss_fn(head, out, targets, mask)`, the last virtual stage's output `out`
+    through the head; differentiable in `groups` (fp32, pipeline view), `head` (a dict of fp32
+    arrays) and `x`. `targets` and `mask` are [batch, seq]."""
+
+    @jax.custom_vjp
+    def loss(groups, head, x, copies, ctx, targets, mask):
+        return _run(groups, specs, head, x, ctx, targets, mask, schedule, stack_fn, loss_fn, copies)[0]
+
+    def forward(groups, head, x, copies, ctx, targets, mask):
+        total, *grads = _run(groups, specs, head, x, ctx, targets, mask, schedule, stack_fn, loss_fn, copies)
+        return total, grads
+
+    def backward(grads, cotangent):
+        scaled = jax.tree.map(lambda g: (g * cotangent).astype(g.dtype), grads)
+        return (*scaled, None, None, None, None)
+
+    loss.defvjp(forward, backward)
+    return loss(groups, head, x, copies, ctx, targets, mask)
+
+
+def _run(groups, specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_fn, copies):
+    """(loss sum, gradients of the stage weights, of the head, of x)."""
+    s, m, v = schedule.stages, schedule.microbatches, schedule.repeats
+    table = build(schedule.kind, s, m, v)
+    last = (s - 1, v - 1)  # the last virtual stage: (stage, chunk)
+    axes = stage_major(specs)
+    spec_of = partial(manual_spec, manual_axes=MANUAL_AXES)
+    shard_specs = jax.tree.map(lambda a: spec_of(*a), axes, is_leaf=is_axes)
+    copy_specs = jax.tree.map(lambda a: spec_of(*a, rules=GATHERED_RULES), axes, is_leaf=is_axes)
+    micro_spec = spec_of(None, *RESIDUAL, rules=active_rules())  # [M, mb, seq, embed]
+    token_spec = P(None, micro_spec[1], micro_spec[2])
+    out_spec = P(None, micro_spec[1], (*as_tuple(micro_spec[2]), "stage"))
+    split = partial(split_microbatches, m=m)
+    micro, ctx_micro = split(x), jax.tree.map(split, ctx._replace(dropout=None))
+    to_next = [(j, (j + 1) % s) for j in range(s)]
+    to_previous = [(j, (j - 1) % s) for j in range(s)]
+    columns = tuple(jnp.asarray(a) for a in (
+        table.forward, table.backward, table.forward_x, table.backward_x, table.backward_g,
+        table.received_x, table.received_g, table.loss_g,
+    ))  # fmt: skip
+
+    def one_stage(shards, copies, head, micro, ctx_micro, targets, mask, dropout):
+        stage = jax.lax.axis_index("stage")
+        micro = to_varying(micro, "stage")
+        copies = jax.tree.map(lambda c: varying_like(c[0], micro), copies)
+        # Per-device like the activations, so that no gradient is summed over devices inside a branch
+        # some stages skip (a collective there would wait for them forever).
+        head = jax.tree.map(lambda h: varying_like(h, micro), head)
+        grad_axes = jax.tree.map(lambda c: varying_axes(c) | varying_axes(micro), copies)
+        grads = jax.tree.map(lambda c, a: _varying_over(jnp.zeros(c.shape, jnp.float32), a), copies, grad_axes)
+        head_grads = jax.tree.map(lambda h: varying_like(jnp.zeros(h.shape, jnp.float32), micro), head)
+        xbuf = varying_like(jnp.zeros((table.x_slots + 1, *micro.shape[1:]), micro.dtype), micro)
+        gbuf = varying_like(jnp.zeros((table.g_slots + 1, *micro.shape[1:]), micro.dtype), micro)
+        total = varying_like(jnp.zeros((), jnp.float32), micro)
+
+        def context(unit):
+            chunk, j = unit // m, unit % m
+            # Each stage, chunk and microbatch (`unit`) draws its own LoRA dropout masks.
+            unit_ctx = jax.tree.map(lambda a: a[j], ctx_micro)._replace(dropout=dropout)
+            return chunk, j, unit_ctx.folded(stage).folded(unit)
+
+        def stage_input(buffer, slot, chunk, j):
+            return jnp.where((stage == 0) & (chunk == 0), buffer[1][j], buffer[0][slot])
+
+        def back(carry, unit, x_slot, g_slot):
+            xbuf, gbuf, micro, grads, head_grads, total = carry
+            chunk, j, unit_ctx = context(unit)
+            inputs = stage_input((xbuf, micro), x_slot, chunk, j)
+            chunk_copies = jax.tree.map(lambda c: c[chunk], copies)
+            sinks = jax.tree.map(lambda c: varying_like(jnp.zeros(c.shape, jnp.float32), c), chunk_copies)
+
+            def apply(sinks, inputs):
+                weights = jax.tree.map(loop_weight, chunk_copies, sinks, specs)
+                return stack_fn(weights, inputs, unit_ctx)
+
+            _, vjp = jax.vjp(apply, sinks, inputs)
+            dsinks, dx = vjp(gbuf[g_slot])
+            grads = jax.tree.map(
+                lambda g, d, a: g.at[chunk].add(_varying_over(d, a)), grads, dsinks, grad_axes
+            )
+            first = (stage == 0) & (chunk == 0)  # its input gradient is the embedding's
+            micro = micro.at[j].set(jnp.where(first, dx, micro[j]))
+            return (xbuf, gbuf, micro, grads, head_grads, total), dx
+
+        def fore(carry, unit, x_slot, loss_slot):
+            xbuf, gbuf, micro, grads, head_grads, total = carry
+            chunk, j, unit_ctx = context(unit)
+            inputs = stage_input((xbuf, micro), x_slot, chunk, j)
+            weights = jax.tree.map(lambda c: c[chunk], copies)
+            out = stack_fn(weights, inputs, unit_ctx)
+
+            def with_loss(carry):
+                gbuf, head_grads, total = carry
+
+                value, vjp = jax.vjp(lambda head, out: loss_fn(head, out, targets[j], mask[j]), head, out)
+                dhead, dout = vjp(jnp.ones_like(value))
+                head_grads = jax.tree.map(lambda g, d: g + varying_like(d, g), head_grads, dhead)
+                return gbuf.at[loss_slot].set(dout), head_grads, total + varying_like(value, total)
+
+            is_last = (stage == last[0]) & (chunk == last[1])
+            gbuf, head_grads, total = jax.lax.cond(is_last, with_loss, lambda c: c, (gbuf, head_grads, total))
+            return (xbuf, gbuf, micro, grads, head_grads, total), out
+
+        def step(carry, row):
+            forward, backward, forward_x, backward_x, backward_g, received_x, received_g, loss_g = (
+                a[stage] for a in row
+            )
+            idle = jnp.zeros_like(micro[0])
+            carry, sent_g = jax.lax.cond(
+                backward != IDLE,
+                lambda c: back(c, backward, backward_x, backward_g),
+                lambda c: (c, idle),
+                carry,
+            )
+            carry, sent_x = jax.lax.cond(
+                forward != IDLE,
+                lambda c: fore(c, forward, forward_x, loss_g),
+                lambda c: (c, idle),
+                carry,
+            )
+            xbuf, gbuf, *rest = carry
+            xbuf = xbuf.at[received_x].set(jax.lax.ppermute(sent_x, "stage", to_next))
+            gbuf = gbuf.at[received_g].set(jax.lax.ppermute(sent_g, "stage", to_previous))
+            return (xbuf, gbuf, *rest), None
+
+        carry = (xbuf, gbuf, micro, grads, head_grads, total)
+        (_, _, micro, grads, head_grads, total), _ = jax.lax.scan(step, carry, columns)
+        grads = jax.tree.map(lambda g, spec: reduced_grad(g, P(*spec[1:]))[None], grads, shard_specs)
+        head_grads = jax.tree.map(lambda g: jax.lax.psum(g, tuple(sorted(varying_axes(g)))), head_grads)
+        total = jax.lax.psum(total, tuple(sorted(varying_axes(total))))
+        # Stage 0's buffer now holds the input gradients; each stage keeps a 1/S slice of the sequence.
+        dx = reduce_scatter_sum(jnp.where(stage == 0, micro, jnp.zeros_like(micro)), "stage", 2)
+        return total, grads, head_grads, dx
+
+    run = jax.shard_map(
+        one_stage,
+        in_specs=(shard_specs, copy_specs, P(), micro_spec, P(None, micro_spec[1]), token_spec, token_spec, P()),
+        out_specs=(P(), shard_specs, P(), out_spec),
+        axis_names=MANUAL_AXES,
+    )
+    total, grads, head_grads, dx = run(
+        stage_major_arrays(groups), copies, head, micro, ctx_micro, split(targets), split(mask), ctx.dropout
+    )
+    return total, stage_major_arrays(grads), head_grads, merge_microbatches(dx)

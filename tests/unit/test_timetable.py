@@ -1,0 +1,96 @@
+"""The timetables of 1F1B and interleaved 1F1B, replayed step by step: every unit once, in an order
+its data allows, its buffers never overwritten while live, its memory bounded by the stages rather
+than the microbatches, and its bubble the one the planner states."""
+
+import pytest
+
+from jaxllm.config import Schedule
+from jaxllm.parallel.timetable import IDLE, build
+
+CASES = [("1f1b", s, m, 1) for s in (2, 4) for m in (s, 2 * s, 4 * s)] + [
+    ("interleaved_1f1b", s, m, v) for s in (2, 4) for m in (s, 2 * s, 4 * s) for v in (2, 3)
+]
+
+
+def _virtual(unit, stage, stages, microbatches):
+    """(virtual stage, microbatch) of a stage's work unit."""
+    return (unit // microbatches) * stages + stage, unit % microbatches
+
+
+@pytest.mark.parametrize("kind, stages, microbatches, chunks", CASES)
+def test_every_unit_runs_once_after_what_it_needs(kind, stages, microbatches, chunks):
+    """Each (virtual stage, microbatch) is forwarded and back-propagated exactly once; a forward
+    follows the previous virtual stage's forward, a backward the next one's backward (the last
+    virtual stage's, its own forward), each in an earlier step: what a step sends arrives after it."""
+    table = build(kind, stages, microbatches, chunks)
+    last = stages * chunks - 1
+    forwarded, backpropagated = {}, {}
+    for t in range(table.steps):
+        for s in range(stages):
+            if (f := table.forward[t, s]) != IDLE:
+                vs, j = _virtual(f, s, stages, microbatches)
+                assert (vs, j) not in forwarded
+                assert vs == 0 or forwarded[(vs - 1, j)] < t, f"F{j} on virtual stage {vs} before its input"
+                forwarded[(vs, j)] = t
+            if (b := table.backward[t, s]) != IDLE:
+                vs, j = _virtual(b, s, stages, microbatches)
+                assert (vs, j) not in backpropagated
+                needs = forwarded.get((vs, j)) if vs == last else backpropagated.get((vs + 1, j))
+                assert needs is not None and needs < t, f"B{j} on virtual stage {vs} before its gradient"
+                backpropagated[(vs, j)] = t
+    every = {(vs, j) for vs in range(last + 1) for j in range(microbatches)}
+    assert forwarded.keys() == every and backpropagated.keys() == every
+
+
+@pytest.mark.parametrize("kind, stages, microbatches, chunks", CASES)
+def test_buffers_hand_each_read_the_value_written_for_it(kind, stages, microbatches, chunks):
+    """Replays the slots: each step's arrivals are written after its reads, into the slot the table
+    names; every read must find the unit it is for (not a later arrival written over it)."""
+    table = build(kind, stages, microbatches, chunks)
+    last = stages * chunks - 1
+    xbuf = [[None] * (table.x_slots + 1) for _ in range(stages)]
+    gbuf = [[None] * (table.g_slots + 1) for _ in range(stages)]
+    for t in range(table.steps):
+        sent_x, sent_g = [None] * stages, [None] * stages
+        for s in range(stages):
+            if (b := table.backward[t, s]) != IDLE:
+                vs, j = _virtual(b, s, stages, microbatches)
+                assert gbuf[s][table.backward_g[t, s]] == ("g", vs, j)
+                assert vs == 0 or xbuf[s][table.backward_x[t, s]] == ("x", vs, j)
+                sent_g[s] = ("g", vs - 1, j)
+            if (f := table.forward[t, s]) != IDLE:
+                vs, j = _virtual(f, s, stages, microbatches)
+                assert vs == 0 or xbuf[s][table.forward_x[t, s]] == ("x", vs, j)
+                if vs == last:
+                    gbuf[s][table.loss_g[t, s]] = ("g", vs, j)
+                sent_x[s] = ("x", vs + 1, j)
+        for s in range(stages):
+            xbuf[s][table.received_x[t, s]] = sent_x[(s - 1) % stages]
+            gbuf[s][table.received_g[t, s]] = sent_g[(s + 1) % stages]
+
+
+@pytest.mark.parametrize("kind, chunks", [("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3)])
+@pytest.mark.parametrize("stages", [2, 4])
+def test_units_in_flight_are_set_by_the_stages_not_the_microbatches(kind, chunks, stages):
+    """Stage s holds 2(S − s) − 1 units in flight (lockstep 1F1B), (v − 1)·S more interleaved, the
+    same at M = 4S and 8S, where GPipe holds all M; its input buffer has no more slots."""
+    for m in (4 * stages, 8 * stages):
+        table = build(kind, stages, m, chunks)
+        assert list(table.held) == [2 * (stages - s) - 1 + (chunks - 1) * stages for s in range(stages)]
+        assert table.x_slots <= max(table.held) and table.g_slots <= 2
+
+
+@pytest.mark.parametrize("kind, stages, microbatches, chunks", CASES)
+def test_bubble_is_the_planners(kind, stages, microbatches, chunks):
+    """The timetable's idle fraction, each step as long as its busiest stage, is the schedule's
+    stated bubble: 1F1B's is GPipe's, interleaved 1F1B's the circular schedule's."""
+    table = build(kind, stages, microbatches, chunks)
+    stated = Schedule(stages, chunks, microbatches, kind).bubble
+    for backward_cost in (1.0, 2.0, 3.0):
+        assert table.bubble(backward_cost) == pytest.approx(stated)
+
+
+@pytest.mark.parametrize("stages, microbatches", [(2, 4), (4, 8), (4, 16)])
+def test_interleaving_two_chunks_shrinks_the_bubble_to_at_most_0_6_of_1f1b(stages, microbatches):
+    interleaved = build("interleaved_1f1b", stages, microbatches, 2).bubble()
+    assert interleaved <= 0.6 * build("1f1b", stages, microbatches, 1).bubble()
