@@ -191,13 +191,18 @@ class Decoder(nnx.Module):
         if copies is None:
             copies = gather_stage_weights(groups, specs, jnp.dtype(self.model.dtype))
 
+        stack_fn = partial(scan_groups, graph, self.model.remat)
+
         def loss_fn(head, out, targets, mask):
             return summed_loss(head_logits(self.model, head, out), targets, mask)
 
-        stack_fn = partial(scan_groups, graph, self.model.remat)
+        def forward_loss(groups, head, x, copies, ctx, targets, mask):  # GPipe's loop, forward only
+            return loss_fn(head, pipeline_stack(groups, specs, x, ctx, self.schedule, stack_fn, copies), targets, mask)
+
         return scheduled_loss(
-            groups, specs, self._head_params(), x, ctx, targets, mask, self.schedule, stack_fn, loss_fn, copies
-        )
+            groups, specs, self._head_params(), x, ctx, targets, mask, self.schedule, stack_fn, loss_fn, copies,
+            forward_loss,
+        )  # fmt: skip
 
     def extend(
         self, tokens: jax.Array, positions: jax.Array | None, cache: KVCache, logits_at: jax.Array | None = None

@@ -46,15 +46,18 @@ def _varying_over(x: jax.Array, axes: frozenset[str]) -> jax.Array:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def scheduled_loss(groups, specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_fn, copies):
+def scheduled_loss(
+    groups, specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_fn, copies, forward_loss
+):
     """The loss of `x` (embedded inputs [batch, seq, embed]) through the stages, summed over the
     microbatches of `loss_fn(head, out, targets, mask)`, the last virtual stage's output `out`
     through the head; differentiable in `groups` (fp32, pipeline view), `head` (a dict of fp32
-    arrays) and `x`. `targets` and `mask` are [batch, seq]."""
+    arrays) and `x`. `targets` and `mask` are [batch, seq]. Where nothing differentiates it (an
+    evaluation), `forward_loss` (the same arguments) computes it without the backwards."""
 
     @jax.custom_vjp
     def loss(groups, head, x, copies, ctx, targets, mask):
-        return _run(groups, specs, head, x, ctx, targets, mask, schedule, stack_fn, loss_fn, copies)[0]
+        return forward_loss(groups, head, x, copies, ctx, targets, mask)
 
     def forward(groups, head, x, copies, ctx, targets, mask):
         total, *grads = _run(groups, specs, head, x, ctx, targets, mask, schedule, stack_fn, loss_fn, copies)

@@ -76,7 +76,9 @@ def fit(rows: Sequence[Mapping[str, float]], start: Efficiency = DEFAULT_EFFICIE
     if not candidates:
         raise FitError("the measured step times fit no positive efficiencies; see the sweep's table")
     x, y = min(candidates, key=lambda xy: error(*xy))
-    if not (o * y <= c * x).any():  # every step waits on transfers, whatever the matmuls' speed
+    # Every step waits on transfers, whatever the matmuls' speed (a fit on a ray has a row exactly
+    # at the edge, where it still waits):
+    if not (o * y < c * x * (1 - 1e-9)).any():
         x = 1 / start.matmul
     fitted = Efficiency(1 / x, 1 / y, "a sweep")
     return fitted, math.sqrt(error(x, y) / len(rows))

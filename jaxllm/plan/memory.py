@@ -11,11 +11,12 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxllm.config import MESH_AXES, ModelConfig, RunConfig, Schedule
+from jaxllm.config import MESH_AXES, TABLE_SCHEDULES, ModelConfig, RunConfig, Schedule
 from jaxllm.model.decoder import Model
 from jaxllm.model.lora import partition, trained_mask
 from jaxllm.model.params import ParamSpec, is_spec, storage_dtype
 from jaxllm.parallel.rules import GATHERED_RULES, OPTIMIZER_RULES, RULES, as_tuple, logical_spec
+from jaxllm.parallel.timetable import build
 
 
 def mesh_sizes(cfg: RunConfig) -> dict[str, int]:
@@ -116,6 +117,9 @@ def memory(cfg: RunConfig) -> dict[str, float]:
     else:  # the stage's weights for the whole step, and their fp32 gradient sums (see pipeline.py)
         gathered = _per_device_bytes(groups, GATHERED_RULES, mesh, compute)
         gathered += _per_device_bytes(trained_groups, GATHERED_RULES, mesh, fp32)
+    table = schedule is not None and schedule.kind in TABLE_SCHEDULES
+    if table:  # the head runs inside the loop, whole on every device, with an fp32 gradient sum
+        gathered += 2 * m.hidden * m.padded_vocab * 4
     out["gathered weights + their fp32 gradient"] = gathered
     data, tensor, stage = sizes["data"] * sizes["fsdp"], sizes["tensor"], sizes["stage"]
     rows = t.batch_size // data // t.grad_accum_steps  # sequences per device per microstep
@@ -125,12 +129,21 @@ def memory(cfg: RunConfig) -> dict[str, float]:
     if schedule is None:
         tokens, layers = rows * t.seq_len, m.num_layers
         edges = 0.0
-    else:  # each iteration's input and output are kept; one iteration's stage is rebuilt at a time
+    else:
         tokens, layers = rows // schedule.microbatches * t.seq_len, m.num_layers // (stage * schedule.repeats)
-        edges = 2 * schedule.iterations * tokens * residual
-    out[f"activations (remat {m.remat})"] = edges + layers * tokens * stash
-    head_tokens = rows * t.seq_len // (stage if schedule else 1)
-    logits = head_tokens * m.padded_vocab // tensor * 4 * 2  # fp32 logits and their gradient
+        edges = 2 * schedule.iterations * tokens * residual  # each iteration's input and output are kept
+    if table:  # the embedded batch (then its gradient), the timetable's buffers, a unit's forward and
+        # backward in flight; one unit's chunk rebuilt at a time, as GPipe's stage
+        slots = build(schedule.kind, schedule.stages, schedule.microbatches, schedule.repeats)
+        edges = (schedule.microbatches + slots.x_slots + slots.g_slots + 4) * tokens * residual
+    # A pipeline's backward rebuilds one iteration's layers; when those are a single group, its
+    # rebuilt internals (below) are all it holds, whatever the remat policy.
+    stashed = 0 if schedule and layers <= m.qkv_share_every else layers
+    out[f"activations (remat {m.remat})"] = edges + stashed * tokens * stash
+    if table:  # one microbatch's logits on the last stage, over the whole vocabulary
+        logits = tokens * m.padded_vocab * 4 * 2
+    else:  # fp32 logits and their gradient, each stage on its slice of the sequence
+        logits = rows * t.seq_len // (stage if schedule else 1) * m.padded_vocab // tensor * 4 * 2
     # The backward pass rebuilds a shared-QKV group's layers together (one iteration of the scan
     # over groups) and takes their gradients, while the logits and their gradient are still held.
     out["temporaries (a group rebuilt, logits)"] = tokens * m.qkv_share_every * rebuilt + logits
@@ -138,7 +151,7 @@ def memory(cfg: RunConfig) -> dict[str, float]:
     if p.offload_optimizer:
         out["optimizer state in host memory"] = moments
     if m.remat == "offload":
-        out["activations in host memory (remat offload)"] = layers * tokens * kept["selective"]
+        out["activations in host memory (remat offload)"] = stashed * tokens * kept["selective"]
     return out
 
 

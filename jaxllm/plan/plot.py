@@ -1,11 +1,13 @@
 """`--plot out.png`: memory per device by component, and the pipeline schedule (stage × iteration,
-bubbles shaded). Needs matplotlib (the `plot` extra)."""
+or for 1F1B each stage's forwards and backwards × step; bubbles shaded). Needs matplotlib (the
+`plot` extra)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from jaxllm.config import RunConfig, Schedule
+from jaxllm.config import TABLE_SCHEDULES, RunConfig, Schedule
+from jaxllm.parallel.timetable import IDLE, build
 from jaxllm.plan.hardware import ACCELERATORS, GiB
 from jaxllm.plan.memory import memory
 from jaxllm.plan.search import HEADROOM
@@ -20,6 +22,36 @@ def schedule_grid(schedule: Schedule) -> np.ndarray:
     k = np.arange(schedule.iterations)[None, :] - np.arange(schedule.stages)[:, None]
     busy = (k >= 0) & (k < schedule.repeats * schedule.microbatches)
     return np.where(busy, k % schedule.microbatches, BUBBLE)
+
+
+def timetable_grid(schedule: Schedule) -> np.ndarray:
+    """[2·stages, steps] of a timetable-driven schedule: row 2s the microbatch stage s forwards in
+    each step, row 2s + 1 the one it back-propagates, or BUBBLE."""
+    table = build(schedule.kind, schedule.stages, schedule.microbatches, schedule.repeats)
+    rows = np.empty((2 * schedule.stages, table.steps), dtype=int)
+    for column, units in ((0, table.forward), (1, table.backward)):
+        rows[column::2] = np.where(units.T == IDLE, BUBBLE, units.T % schedule.microbatches)
+    return rows
+
+
+def _draw_schedule(ax, schedule: Schedule) -> None:
+    table = schedule.kind in TABLE_SCHEDULES
+    grid = timetable_grid(schedule) if table else schedule_grid(schedule)
+    ax.imshow(np.ones_like(grid), cmap="Greys", vmin=0, vmax=4, aspect="auto")  # bubbles: grey
+    if table:  # forwards in one palette, backwards in another
+        for rows, cmap in ((slice(0, None, 2), "viridis"), (slice(1, None, 2), "plasma")):
+            shown = np.full(grid.shape, BUBBLE)
+            shown[rows] = grid[rows]
+            ax.imshow(np.ma.masked_equal(shown, BUBBLE), cmap=cmap, aspect="auto", interpolation="nearest")
+        labels = [f"{s} {part}" for s in range(schedule.stages) for part in ("F", "B")]
+        ax.set(xlabel="step", ylabel="stage: forward (F), backward (B)", yticks=range(len(labels)), yticklabels=labels)
+    else:
+        ax.imshow(np.ma.masked_equal(grid, BUBBLE), cmap="viridis", aspect="auto", interpolation="nearest")
+        ax.set(xlabel="iteration", ylabel="stage", yticks=range(schedule.stages))
+    ax.set_title(
+        f"pipeline {schedule.kind}: {schedule.stages} stages × {schedule.repeats} chunks, "
+        f"{schedule.microbatches} microbatches; bubble (grey) {schedule.bubble:.1%}"
+    )
 
 
 def plot(cfg: RunConfig, path: str) -> None:
@@ -48,17 +80,7 @@ def plot(cfg: RunConfig, path: str) -> None:
         pipe_ax.text(0.5, 0.5, "no pipeline (parallel.stage = 1)", ha="center", va="center")
         pipe_ax.set_axis_off()
     else:
-        grid = schedule_grid(schedule)
-        shown = np.ma.masked_equal(grid, BUBBLE)
-        pipe_ax.imshow(np.ones_like(grid), cmap="Greys", vmin=0, vmax=4, aspect="auto")  # bubbles: grey
-        pipe_ax.imshow(shown, cmap="viridis", aspect="auto", interpolation="nearest")
-        pipe_ax.set(
-            xlabel="iteration",
-            ylabel="stage",
-            yticks=range(schedule.stages),
-            title=f"pipeline: {schedule.stages} stages × {schedule.repeats} repeats, "
-            f"{schedule.microbatches} microbatches; bubble (grey) {schedule.bubble:.1%}",
-        )
+        _draw_schedule(pipe_ax, schedule)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

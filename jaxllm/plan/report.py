@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from jaxllm.config import ModelConfig, RunConfig
+from jaxllm.config import TABLE_SCHEDULES, ModelConfig, RunConfig
+from jaxllm.parallel.timetable import build
 from jaxllm.plan.comm import communication
 from jaxllm.plan.decode import decode_limit
 from jaxllm.plan.estimate import assumptions, estimate, link_bandwidth, seconds
@@ -49,9 +50,14 @@ def summary(cfg: RunConfig, convention: str = "ours") -> str:
     widths = ", ".join(f"{width} {n / 1e9:.4g}" for width, n in weight_bytes(model).items())
     lines.append(f"weights, GB: {widths}")
     if (schedule := cfg.parallel.pipeline) is not None:
+        if schedule.kind in TABLE_SCHEDULES:
+            table = build(schedule.kind, schedule.stages, schedule.microbatches, schedule.repeats)
+            loop = f"{table.steps} steps of a forward and a backward, up to {max(table.held)} microbatches held"
+        else:
+            loop = f"{schedule.iterations} iterations forward, then back"
         lines.append(
-            f"pipeline: {schedule.stages} stages × {schedule.repeats} repeats, {schedule.microbatches} microbatches, "
-            f"{schedule.iterations} iterations, bubble {schedule.bubble:.1%}"
+            f"pipeline {schedule.kind}: {schedule.stages} stages × {schedule.repeats} chunks, "
+            f"{schedule.microbatches} microbatches, {loop}, bubble {schedule.bubble:.1%}"
         )
     return "\n".join(lines)
 

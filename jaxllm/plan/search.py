@@ -1,6 +1,6 @@
 """`--search`: every layout of a model on N GPUs (tensor × stage × fsdp × data × remat ×
-microbatches × repeats × sequence parallelism) that passes the config's checks and fits the
-device's memory with headroom, best estimated step time first."""
+microbatches × repeats × pipeline schedule × sequence parallelism) that passes the config's checks
+and fits the device's memory with headroom, best estimated step time first."""
 
 from __future__ import annotations
 
@@ -55,6 +55,9 @@ class Candidate:
     estimate: Estimate
 
 
+SCHEDULES = {False: ("gpipe", "1f1b"), True: ("circular", "interleaved_1f1b")}  # by whether chunks repeat
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -72,7 +75,8 @@ def layouts(cfg: RunConfig, gpus: int, per_node: int) -> Iterator[Layout]:
                 repeats = [1] if stage == 1 else [r for r in _divisors(groups // stage) if r <= 4]
                 sequence_parallel = (False, True) if tensor > 1 else (False,)
                 for remat, m, r, sp in itertools.product(REMATS, micro, repeats, sequence_parallel):
-                    yield Layout(tensor, stage, fsdp, data, remat, m, r, sp, "circular" if r > 1 else "gpipe")
+                    for schedule in SCHEDULES[r > 1] if stage > 1 else ("gpipe",):
+                        yield Layout(tensor, stage, fsdp, data, remat, m, r, sp, schedule)
 
 
 def search(
@@ -94,4 +98,4 @@ def search(
         total = memory(candidate)["total"]
         if total <= accelerator.memory * (1 - headroom):
             fitting.append(Candidate(layout, total, estimate(candidate, accelerator, efficiency)))
-    return sorted(fitting, key=lambda c: c.estimate.step), valid
+    return sorted(fitting, key=lambda c: (c.estimate.step, c.memory)), valid  # equally fast: the smaller first

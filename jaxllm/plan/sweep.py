@@ -53,13 +53,13 @@ ONE_CHUNK = {"circular": "gpipe", "interleaved_1f1b": "1f1b"}  # each schedule w
 
 
 def describe(layout: Layout) -> str:
-    """A layout in a few words: its mesh axes over 1, microbatches and repeats of a pipeline, remat
-    and sequence parallelism where set."""
+    """A layout in a few words: its mesh axes over 1, a pipeline's schedule, microbatches and
+    repeats, remat and sequence parallelism where set."""
     axes = [f"{name} {n}" for name, n in (("tensor", layout.tensor), ("stage", layout.stage),
                                           ("fsdp", layout.fsdp), ("data", layout.data)) if n > 1]  # fmt: skip
     words = " × ".join(axes) or "one device"
     if layout.stage > 1:
-        words += f", {layout.microbatches} micro"
+        words += f", {layout.schedule}, {layout.microbatches} micro"
         words += f", {layout.repeats} repeats" if layout.repeats > 1 else ""
     words += f", remat {layout.remat}" if layout.remat != "none" else ""
     return words + (", seq-parallel" if layout.sequence_parallel else "")

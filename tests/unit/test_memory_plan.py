@@ -20,12 +20,18 @@ LAYOUTS = {
     "fsdp": dict(data=2, fsdp=4),
     "tensor, sequence parallel": dict(data=2, fsdp=2, tensor=2, sequence_parallel=True),
     "pipeline": dict(fsdp=2, stage=2, tensor=2, microbatches=4, sequence_parallel=True),
+    "1f1b": dict(fsdp=2, stage=2, tensor=2, microbatches=4, sequence_parallel=True, schedule="1f1b"),
+    # Chunks of two layers, each its own QKV group (a chunk of one group holds no stash: see memory.py).
+    "interleaved 1f1b": dict(fsdp=2, stage=2, tensor=2, microbatches=4, repeats=2, schedule="interleaved_1f1b"),
 }
+SHARING = {"interleaved 1f1b": 1}  # qkv_share_every where not the default 2
 
 
 def _config(layout, remat):
-    cfg = small_config(num_layers=8, hidden=128, num_heads=8, num_kv_heads=8, mlp=384, vocab_size=1024, remat=remat)
-    cfg = cfg.updated(model=dict(max_seq_len=128), parallel=layout, train=dict(seq_len=128, batch_size=16))
+    share = SHARING.get(layout, 2)
+    cfg = small_config(num_layers=8, hidden=128, num_heads=8, num_kv_heads=8, mlp=384, vocab_size=1024, remat=remat,
+                       qkv_share_every=share)  # fmt: skip
+    cfg = cfg.updated(model=dict(max_seq_len=128), parallel=LAYOUTS[layout], train=dict(seq_len=128, batch_size=16))
     return cfg
 
 
@@ -37,7 +43,7 @@ def test_planned_memory_follows_the_compiler(layout):
     against it."""
     planned, compiled = {}, {}
     for remat in REMAT_POLICIES:
-        cfg = _config(LAYOUTS[layout], remat)
+        cfg = _config(layout, remat)
         planned[remat] = plan.memory(cfg)
         lowered = lower_abstract_step(cfg, make_mesh(cfg.parallel))
         compiled[remat] = lowered.compile(compiler_options=AS_ON_GPU).memory_analysis()

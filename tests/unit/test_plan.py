@@ -5,6 +5,7 @@ cache, the pipeline's own schedule; its search, pictures and the docs page it wr
 import ast
 import math
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.docs import runnable_block
 from support.runs import ROOT, small_config
 from test_layouts import LAYOUTS
 
@@ -25,7 +27,7 @@ from jaxllm.plan.estimate import estimate, link_bandwidth
 from jaxllm.plan.hardware import ACCELERATORS, accelerator_of
 from jaxllm.plan.hlo import collective_bytes
 from jaxllm.plan.params import megatron_extras, megatron_formula
-from jaxllm.plan.plot import BUBBLE, schedule_grid
+from jaxllm.plan.plot import BUBBLE, schedule_grid, timetable_grid
 from jaxllm.plan.scale_doc import page
 from jaxllm.plan.search import Layout, search
 from jaxllm.train.dry_run import AS_ON_GPU, lower_abstract_step, peak_bytes
@@ -107,6 +109,31 @@ def test_decode_limit_reads_the_real_weights_and_cache_once(weights, kv):
     assert plan.decode_limit(cfg.model, 3, 40, 1e12, weights, kv_name) == pytest.approx(3 * 1e12 / read)
 
 
+def test_pipeline_page_draws_its_timetable(tmp_path):
+    """docs/pipeline.md's `--plot` command, as written, draws the interleaved timetable."""
+    env = {**os.environ, "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    command = runnable_block("docs/pipeline.md", "plot-interleaved-1f1b")
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "pipeline interleaved_1f1b: 2 stages × 2 chunks, 4 microbatches, 13 steps" in proc.stdout
+    assert (tmp_path / "schedule.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("kind, stages, repeats, microbatches", [("1f1b", 4, 1, 8), ("interleaved_1f1b", 2, 2, 4)])
+def test_pictured_timetable_forwards_and_back_propagates_each_microbatch(kind, stages, repeats, microbatches):
+    """The picture of a timetable: each stage's forward row and backward row hold every microbatch
+    once per chunk, and the first backward comes after the stage's first forward."""
+    grid = timetable_grid(Schedule(stages, repeats, microbatches, kind))
+    assert grid.shape[0] == 2 * stages
+    for s in range(stages):
+        forward, backward = grid[2 * s], grid[2 * s + 1]
+        for row in (forward, backward):
+            assert sorted(row[row != BUBBLE]) == sorted(list(range(microbatches)) * repeats)
+        assert np.argmax(forward != BUBBLE) < np.argmax(backward != BUBBLE)
+
+
 @pytest.mark.parametrize("stages, repeats, microbatches", [(4, 1, 32), (2, 2, 4), (4, 2, 8), (3, 1, 1)])
 def test_pictured_schedule_runs_every_microbatch_once_per_stage_and_repeat(stages, repeats, microbatches):
     schedule = Schedule(stages, repeats, microbatches)
@@ -175,14 +202,15 @@ def test_search_on_a100_40gb_says_how_many_gpus_the_120b_needs():
     moments alone (16 bytes a parameter, 29.8 GB a GPU over 64) leave no layout within 40 GB less
     the headroom, and the planner names the GPU count where layouts fit, each within 36 GiB."""
     cfg = load_config("configs/120b.py")
-    assert not search(cfg, 64, ACCELERATORS["a100-40gb"])[0] and search(cfg, 64, ACCELERATORS["a100-80gb"])[0]
+    none_fit, valid = search(cfg, 64, ACCELERATORS["a100-40gb"])
+    assert not none_fit and valid > 0 and search(cfg, 64, ACCELERATORS["a100-80gb"])[0]
     fitting = search(cfg, 128, ACCELERATORS["a100-40gb"])[0]
     assert fitting and all(c.memory <= 0.9 * 40 * 2**30 for c in fitting)
     cmd = [sys.executable, "-m", "jaxllm.plan", "--config", "configs/120b.py", "--search", "--gpus", "64",
            "--device", "a100-40gb", "--top", "1"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "layouts for 64 × A100 40GB: 960 pass the config's checks, 0 fit" in proc.stdout, proc.stdout[-2000:]
+    assert f"layouts for 64 × A100 40GB: {valid} pass the config's checks, 0 fit" in proc.stdout, proc.stdout[-2000:]
     assert (f"none fits 36.0 GiB a device on 64 GPUs; on 128, {len(fitting)} do, the fastest at "
             f"{fitting[0].memory / 2**30:.1f} GiB: {fitting[0].layout.overrides()}") in proc.stdout  # fmt: skip
     page = (ROOT / "docs" / "cluster.md").read_text()

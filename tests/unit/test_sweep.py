@@ -110,7 +110,7 @@ def test_an_unreadable_efficiency_file_is_an_error_not_a_crash(tmp_path):
 
 
 def test_layout_words_and_the_planned_communication_share():
-    assert sweep.describe(Layout(4, 2, 1, 1, "none", 8, 1, False)) == "tensor 4 × stage 2, 8 micro"
+    assert sweep.describe(Layout(4, 2, 1, 1, "none", 8, 1, False)) == "tensor 4 × stage 2, gpipe, 8 micro"
     e = estimate(load_config("configs/tiny.py", {"parallel.tensor": 4, "parallel.data": 2}), H100)
     hidden = min(e.overlapped, e.compute)  # data-parallel transfers behind compute are not exposed
     assert 0 < e.comm_share < 1 and e.comm_share == pytest.approx((e.exposed + e.overlapped - hidden) / e.step)
