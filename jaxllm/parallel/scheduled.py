@@ -60,7 +60,7 @@ def scheduled_loss(
         return forward_loss(groups, head, x, copies, ctx, targets, mask)
 
     def forward(groups, head, x, copies, ctx, targets, mask):
-        total, *grads = _run(groups, specs, head, x, ctx, targets, mask, schedule, stack_fn, loss_fn, copies)
+        total, *grads = _run(specs, head, x, ctx, targets, mask, schedule, stack_fn, loss_fn, copies)
         return total, grads
 
     def backward(grads, cotangent):
@@ -71,8 +71,8 @@ def scheduled_loss(
     return loss(groups, head, x, copies, ctx, targets, mask)
 
 
-def _run(groups, specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_fn, copies):
-    """(loss sum, gradients of the stage weights, of the head, of x)."""
+def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_fn, copies):
+    """(loss sum, gradients of the stage weights (from their `copies`), of the head, of x)."""
     s, m, v = schedule.stages, schedule.microbatches, schedule.repeats
     table = build(schedule.kind, s, m, v)
     last = (s - 1, v - 1)  # the last virtual stage: (stage, chunk)
@@ -92,7 +92,7 @@ def _run(groups, specs, head, x, ctx, targets, mask, schedule: Schedule, stack_f
         table.received_x, table.received_g, table.loss_g,
     ))  # fmt: skip
 
-    def one_stage(shards, copies, head, micro, ctx_micro, targets, mask, dropout):
+    def one_stage(copies, head, micro, ctx_micro, targets, mask, dropout):
         stage = jax.lax.axis_index("stage")
         micro = to_varying(micro, "stage")
         copies = jax.tree.map(lambda c: varying_like(c[0], micro), copies)
@@ -112,13 +112,14 @@ def _run(groups, specs, head, x, ctx, targets, mask, schedule: Schedule, stack_f
             unit_ctx = jax.tree.map(lambda a: a[j], ctx_micro)._replace(dropout=dropout)
             return chunk, j, unit_ctx.folded(stage).folded(unit)
 
-        def stage_input(buffer, slot, chunk, j):
-            return jnp.where((stage == 0) & (chunk == 0), buffer[1][j], buffer[0][slot])
+        def stage_input(xbuf, micro, slot, chunk, j):
+            """Virtual stage 0 reads the embedded batch; every other its stashed input."""
+            return jnp.where((stage == 0) & (chunk == 0), micro[j], xbuf[slot])
 
         def back(carry, unit, x_slot, g_slot):
             xbuf, gbuf, micro, grads, head_grads, total = carry
             chunk, j, unit_ctx = context(unit)
-            inputs = stage_input((xbuf, micro), x_slot, chunk, j)
+            inputs = stage_input(xbuf, micro, x_slot, chunk, j)
             chunk_copies = jax.tree.map(lambda c: c[chunk], copies)
             sinks = jax.tree.map(lambda c: varying_like(jnp.zeros(c.shape, jnp.float32), c), chunk_copies)
 
@@ -138,13 +139,12 @@ def _run(groups, specs, head, x, ctx, targets, mask, schedule: Schedule, stack_f
         def fore(carry, unit, x_slot, loss_slot):
             xbuf, gbuf, micro, grads, head_grads, total = carry
             chunk, j, unit_ctx = context(unit)
-            inputs = stage_input((xbuf, micro), x_slot, chunk, j)
+            inputs = stage_input(xbuf, micro, x_slot, chunk, j)
             weights = jax.tree.map(lambda c: c[chunk], copies)
             out = stack_fn(weights, inputs, unit_ctx)
 
             def with_loss(carry):
                 gbuf, head_grads, total = carry
-
                 value, vjp = jax.vjp(lambda head, out: loss_fn(head, out, targets[j], mask[j]), head, out)
                 dhead, dout = vjp(jnp.ones_like(value))
                 head_grads = jax.tree.map(lambda g, d: g + varying_like(d, g), head_grads, dhead)
@@ -187,11 +187,9 @@ def _run(groups, specs, head, x, ctx, targets, mask, schedule: Schedule, stack_f
 
     run = jax.shard_map(
         one_stage,
-        in_specs=(shard_specs, copy_specs, P(), micro_spec, P(None, micro_spec[1]), token_spec, token_spec, P()),
+        in_specs=(copy_specs, P(), micro_spec, P(None, micro_spec[1]), token_spec, token_spec, P()),
         out_specs=(P(), shard_specs, P(), out_spec),
         axis_names=MANUAL_AXES,
     )
-    total, grads, head_grads, dx = run(
-        stage_major_arrays(groups), copies, head, micro, ctx_micro, split(targets), split(mask), ctx.dropout
-    )
+    total, grads, head_grads, dx = run(copies, head, micro, ctx_micro, split(targets), split(mask), ctx.dropout)
     return total, stage_major_arrays(grads), head_grads, merge_microbatches(dx)

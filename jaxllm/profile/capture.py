@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 import jax
 import numpy as np
 
+from jaxllm.config import Schedule
 from jaxllm.profile.trace import Summary, find_trace, read_ops, summarize
 
 
@@ -19,7 +20,7 @@ class StepProfiler:
     (TensorBoard's profile plugin and Perfetto read it) lands in `logdir/plugins/profile/<run>/`."""
 
     def __init__(self, steps: tuple[int, int], logdir: str | pathlib.Path, *, module: str | None = None,
-                 schedule: tuple[int, int, int] | None = None, stage_of: Mapping[str, int] | None = None,
+                 schedule: Schedule | None = None, stage_of: Mapping[str, int] | None = None,
                  on_summary: Callable[[Summary], None] | None = None):  # fmt: skip
         self.first, self.last = steps
         self.logdir = pathlib.Path(logdir)

@@ -29,6 +29,8 @@ import pathlib
 import re
 from collections.abc import Iterable, Iterator, Mapping
 
+from jaxllm.config import TABLE_SCHEDULES, Schedule
+
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 CATEGORIES = ("matmul", "attention", "other", *COLLECTIVES, "copy/transfer", "idle")
 CONTAINERS = ("while", "conditional", "call")
@@ -172,10 +174,11 @@ class Summary:
         return "\n".join(lines)
 
 
-def summarize(ops: list[Op], steps: int, *, schedule: tuple[int, int, int] | None = None,
+def summarize(ops: list[Op], steps: int, *, schedule: Schedule | None = None,
               stage_of: Mapping[str, int] | None = None, top: int = 15) -> Summary:  # fmt: skip
-    """The summary of `steps` steps' device ops. With a pipeline `schedule` (stages, repeats,
-    microbatches) and each device's stage (`stage_of`, by device key), also the measured bubble."""
+    """The summary of `steps` steps' device ops. With a GPipe or circular pipeline `schedule` and
+    each device's stage (`stage_of`, by device key), also the measured bubble (a timetable-driven
+    schedule's steps are not told apart yet)."""
     if not ops:
         raise ValueError("the trace holds no device ops (args.hlo_op); was a step run while tracing?")
     by_device = collections.defaultdict(list)
@@ -198,17 +201,17 @@ def summarize(ops: list[Op], steps: int, *, schedule: tuple[int, int, int] | Non
     top_ops = [(name, category[name], t, t / step_time) for name, t in per_op.most_common(top)]
     comm = sum(totals[c] for c in COLLECTIVES) / step_time
     summary = Summary(steps, step_time, totals, top_ops, comm, devices=n)
-    if schedule is not None and schedule[0] > 1 and stage_of:
+    if schedule is not None and schedule.kind not in TABLE_SCHEDULES and stage_of:
         bubble, share = pipeline_bubble(by_device, schedule, stage_of, window * 1e6)
         summary.bubble, summary.pipeline_share = bubble, share
     return summary
 
 
-def empty_iterations(stage: int, schedule: tuple[int, int, int], backward: bool) -> set[int]:
+def empty_iterations(stage: int, schedule: Schedule, backward: bool) -> set[int]:
     """The iterations of the pipeline's scan in which `stage` holds no microbatch: iteration k of
     stage s works on a real microbatch for s <= k < s + repeats·microbatches; the backward scan
     runs the iterations in reverse."""
-    stages, repeats, micro = schedule
+    stages, repeats, micro = schedule.stages, schedule.repeats, schedule.microbatches
     n = repeats * micro + stages - 1
     empty = {k for k in range(n) if k < stage or k >= stage + repeats * micro}
     return {n - 1 - k for k in empty} if backward else empty
@@ -237,7 +240,7 @@ def _pipeline_loops(ops: list[Op], n: int) -> Iterator[tuple[tuple, bool, list[f
             yield (run, name, c), backward, [begin] + [o.end for o in loop]
 
 
-def pipeline_bubble(by_device: Mapping[str, list[Op]], schedule: tuple[int, int, int], stage_of: Mapping[str, int],
+def pipeline_bubble(by_device: Mapping[str, list[Op]], schedule: Schedule, stage_of: Mapping[str, int],
                     window_us: float) -> tuple[float | None, float | None]:  # fmt: skip
     """The measured bubble: the share of the pipeline's time in which a stage's device does not run
     its stage's work on a real microbatch, averaged over devices; and the pipeline loops' share of
@@ -260,7 +263,7 @@ def pipeline_bubble(by_device: Mapping[str, list[Op]], schedule: tuple[int, int,
     Every stage of an SPMD scan computes in every iteration (on zeros where it has no microbatch),
     so the bubble is wasted compute rather than idle time: on evenly costly iterations it equals
     the analytic (stages − 1)/n, and departs from it as iterations' measured times differ."""
-    stages, repeats, micro = schedule
+    stages, repeats, micro = schedule.stages, schedule.repeats, schedule.microbatches
     n = repeats * micro + stages - 1
     loops = {device: list(_pipeline_loops(ops, n)) for device, ops in by_device.items() if device in stage_of}
     entered = collections.defaultdict(lambda: -math.inf)  # loop key -> when its last device entered

@@ -211,7 +211,7 @@ class Loop:
             step_range(t.profile_steps, "train.profile_steps") or (0, -1),
             pathlib.Path(workdir) / "profile",
             module="jit_train_step",
-            schedule=tuple(run.schedule) if run.schedule is not None else None,
+            schedule=run.schedule,
             stage_of=stages_of(run.mesh),
             on_summary=lambda s: print(s.format(), flush=True) if jax.process_index() == 0 else None,
         )

@@ -197,6 +197,24 @@ def test_device_kinds_read_as_their_own_rows(kind, row):
     assert accelerator_of(kind) is (ACCELERATORS[row] if row else None)
 
 
+def test_at_2048_a100s_the_120b_pipelines_again_as_the_pipeline_page_says():
+    """docs/pipeline.md's row for 2,048 A100s (global batch 1,024 sequences): the fastest layout has
+    two stages of two chunks each, circular and interleaved 1F1B tie on step time (circular first:
+    less memory), and GPipe's and no pipeline's best step times are the page's."""
+    cfg = load_config("configs/120b.py").updated(train=dict(batch_size=1024, grad_accum_steps=1))
+    fitting, _ = search(cfg, 2048, ACCELERATORS["a100-80gb"])
+    best = {}
+    for c in fitting:
+        best.setdefault(c.layout.schedule if c.layout.stage > 1 else "none", c)
+    top = fitting[0].layout
+    assert (top.stage, top.repeats, top.schedule) == (2, 2, "circular")
+    assert best["interleaved_1f1b"].estimate.step == pytest.approx(best["circular"].estimate.step)
+    assert best["interleaved_1f1b"].memory > best["circular"].memory
+    row = re.search(r"^\| 2,048 \(1\) \| (.*)$", (ROOT / "docs" / "pipeline.md").read_text(), re.M).group(1)
+    quoted = [float(x) for x in re.findall(r"([\d.]+) s(?:\*\*)?,", row)]
+    assert quoted == [round(best[k].estimate.step, 1) for k in ("none", "gpipe", "circular")]
+
+
 def test_search_on_a100_40gb_says_how_many_gpus_the_120b_needs():
     """`--search --device a100-40gb --gpus 64`: the 120B config's fp32 params, gradients and Adam
     moments alone (16 bytes a parameter, 29.8 GB a GPU over 64) leave no layout within 40 GB less

@@ -2,12 +2,14 @@
 file jax.profiler writes; the categories, the communication share and the pipeline's measured
 bubble; the health bands; the profile_steps setting; a profiled serving engine."""
 
+import math
+
 import jax
 import numpy as np
 import pytest
 from support.runs import small_config
 
-from jaxllm.config import ConfigError, TrainConfig
+from jaxllm.config import ConfigError, Schedule, TrainConfig
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.profile import COLLECTIVES, OncePerRun, StepProfiler, categorize, out_of_band
 from jaxllm.profile.capture import stages_of
@@ -27,7 +29,7 @@ def _profile(tmp_path, parallel: dict, devices=None, steps: int = 2, **model):
     with jax.set_mesh(mesh):
         run = build_run(cfg, mesh)
         state, step_fn = init_state(run), compile_train_step(run)
-        schedule = tuple(run.schedule) if run.schedule is not None else None
+        schedule = run.schedule
         profiler = StepProfiler((2, 1 + steps), tmp_path, module="jit_train_step", schedule=schedule,
                                 stage_of=stages_of(mesh))  # fmt: skip
         for step in range(1, 2 + steps):
@@ -36,24 +38,61 @@ def _profile(tmp_path, parallel: dict, devices=None, steps: int = 2, **model):
             profiler.before(step)
             state, metrics = step_fn(state, batch)
             profiler.after(step, (state, metrics))
-    runs = {op.run for op in read_ops(find_trace(tmp_path), "jit_train_step")}
+    ops = read_ops(find_trace(tmp_path), "jit_train_step")
+    runs = {op.run for op in ops}
     assert len(runs) == steps, f"the trace holds {len(runs)} executions of the step, not the {steps} profiled"
-    return profiler.summary
+    return profiler.summary, ops
 
 
 @pytest.fixture(scope="module")
 def tensor8(tmp_path_factory):
-    return _profile(tmp_path_factory.mktemp("tensor8"), dict(tensor=8), steps=1)
+    return _profile(tmp_path_factory.mktemp("tensor8"), dict(tensor=8), steps=1)[0]
 
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    return _profile(tmp_path_factory.mktemp("single"), dict(data=-1), devices=jax.devices()[:1], steps=1)
+    return _profile(tmp_path_factory.mktemp("single"), dict(data=-1), devices=jax.devices()[:1], steps=1)[0]
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory):
+def pipeline_run(tmp_path_factory):
+    """Two profiled steps of 4 stages × 4 microbatches: (summary, the trace's ops)."""
     return _profile(tmp_path_factory.mktemp("pipeline"), dict(stage=4, microbatches=4, data=2))
+
+
+@pytest.fixture(scope="module")
+def pipeline(pipeline_run):
+    return pipeline_run[0]
+
+
+def _union(intervals) -> float:
+    """The length of a union of (start, end) intervals."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def test_communication_share_over_several_steps_is_the_exposed_collective_time_per_step(pipeline_run):
+    """Two profiled steps of a pipeline (microbatches, stage shifts, gradient reductions): the
+    share equals, computed apart from the profiler by interval unions per device, the time some
+    collective runs and no compute does, over the device's window, averaged over devices. (Dividing
+    by the whole window where a step's time belongs gives half of it here.)"""
+    summary, ops = pipeline_run
+    assert summary.steps == 2
+    start, end = min(o.start for o in ops), max(o.end for o in ops)
+    compute = {"matmul", "attention", "other"}
+    shares = []
+    for device in {o.device for o in ops}:
+        mine = [o for o in ops if o.device == device and not o.container]
+        busy = [(o.start, o.end) for o in mine if o.category in compute]
+        talking = [(o.start, o.end) for o in mine if o.category in COLLECTIVES]
+        shares.append((_union(busy + talking) - _union(busy)) / (end - start))
+    assert summary.comm_share == pytest.approx(sum(shares) / len(shares), rel=1e-6)
+    assert summary.comm_share > 0.01
+    assert summary.step_time == pytest.approx((end - start) * 1e-6 / 2, rel=1e-9)
 
 
 def test_tensor_parallel_spends_a_larger_share_on_communication_than_one_device(tensor8, single):
@@ -95,10 +134,10 @@ def test_the_out_of_band_ratios_of_real_profiles_are_warned(pipeline, tensor8, s
 
 
 def test_the_empty_iterations_of_each_stage():
-    assert empty_iterations(0, (4, 1, 4), backward=False) == {4, 5, 6}
-    assert empty_iterations(3, (4, 1, 4), backward=False) == {0, 1, 2}
-    assert empty_iterations(3, (4, 1, 4), backward=True) == {4, 5, 6}
-    assert empty_iterations(1, (2, 2, 2), backward=False) == {0}
+    assert empty_iterations(0, Schedule(4, 1, 4), backward=False) == {4, 5, 6}
+    assert empty_iterations(3, Schedule(4, 1, 4), backward=False) == {0, 1, 2}
+    assert empty_iterations(3, Schedule(4, 1, 4), backward=True) == {4, 5, 6}
+    assert empty_iterations(1, Schedule(2, 2, 2), backward=False) == {0}
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ checked against one computed another way (pieces tokenized apart, decoded text, 
 import json
 import pathlib
 
+import chex
 import jax
 import numpy as np
 import pyarrow as pa
@@ -292,29 +293,26 @@ def test_parquet_and_a_saved_dataset_prepare_as_jsonl_does(chat_tables, bpe, tmp
         prepare([str(tmp_path / "b.parquet")], bpe.name, tmp_path / "out2", 0.0, workers=1, progress=False)
 
 
-def test_the_loss_gradient_is_exactly_zero_at_every_masked_position(chat_tables, bpe):
-    """A chat batch from the loader, a tiny model's logits, and the training loss: the gradient
-    with respect to the logits vanishes exactly where the mask is 0 (prompts, padding, document
-    ends) and nowhere it is 1."""
+def test_the_loss_and_its_gradient_ignore_every_masked_target(chat_tables, bpe):
+    """A chat batch from the loader, a tiny model, and the training loss: changing the targets
+    where the mask is 0 (prompts, padding, document ends) leaves the loss and every parameter's
+    gradient bit-identical; changing one where it is 1 changes them."""
     windows = ExampleWindows(chat_tables, "train", 64)
     batch = {k: np.stack([windows[i][k] for i in range(4)]) for k in windows[0]}
     mask = batch["loss_mask"]
     assert 0 < mask.sum() < mask.size
     cfg = small_config(vocab_size=320, num_layers=2)
-    params = init_params(cfg)
+    params, model = init_params(cfg), Model(cfg.model)
     with jax.set_mesh(make_mesh(cfg.parallel, jax.devices()[:1])):
-        logits = jax.jit(lambda p, t, s, q: Model(cfg.model).logits(p, t, s, q))(
-            params, batch["inputs"], batch["segment_ids"], batch["positions"]
-        )
-
-    class Given:  # the model's logits, as loss_sums asks a model for them
-        def logits(self, params, *args):
-            return params
-
-    grad = jax.grad(lambda lg: loss_sums(lg, batch, Given())[0])(logits)
-    rows = np.abs(np.asarray(grad)).sum(-1)
-    assert np.all(rows[mask == 0] == 0)
-    assert np.all(rows[mask == 1] > 0)
+        loss_and_grad = jax.jit(jax.value_and_grad(lambda p, b: loss_sums(p, b, model)[0]))
+        want = loss_and_grad(params, batch)
+        masked = {**batch, "targets": np.where(mask == 0, (batch["targets"] + 7) % 256, batch["targets"])}
+        assert (masked["targets"] != batch["targets"]).sum() == (mask == 0).sum()
+        chex.assert_trees_all_equal(loss_and_grad(params, masked), want)
+        one = tuple(np.argwhere(mask == 1)[0])
+        unmasked = {**batch, "targets": batch["targets"].copy()}
+        unmasked["targets"][one] = (unmasked["targets"][one] + 7) % 256
+        assert loss_and_grad(params, unmasked)[0] != want[0]
 
 
 try:
