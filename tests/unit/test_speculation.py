@@ -161,6 +161,7 @@ def test_lookup_proposes_what_followed_the_longest_latest_match():
     assert lookup([1, 2, 3, 1], 3, 4, 1) == [2, 3, 1]
     assert lookup([9, 1, 2, 1, 2], 5, 4, 2) == [1, 2, 1, 2, 1]  # a loop goes on around itself
     assert lookup([1, 2, 3, 4, 5, 1, 2, 3], 4, 4, 2) == [4, 5, 1, 2]
+    assert lookup([1, 2, 3, 9, 5, 3, 7, 1, 2, 3], 1, 3, 1) == [9]  # the longest match, over a later shorter one
 
 
 def test_bad_speculation_settings_are_refused(trained, tmp_path):

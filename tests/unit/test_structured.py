@@ -23,7 +23,7 @@ from jaxllm.data.tokenizer import get_tokenizer
 from jaxllm.serve import protocol
 from jaxllm.serve.constraints import Grammars
 from jaxllm.serve.generation import Request, RequestError
-from jaxllm.serve.structured import Calls
+from jaxllm.serve.structured import Calls, constraint
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
            "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"], "additionalProperties": False}
@@ -134,6 +134,28 @@ def test_the_tool_call_grammar_takes_calls_and_text_and_refuses_anything_else(to
     calls = Calls(body).read('[{"name": "add", "arguments": {"a": 2, "b": 3}}]')
     read = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
     assert read == [("add", {"a": 2, "b": 3})]
+
+
+def test_one_call_without_parallel_calls_and_free_text_under_tool_choice_none(tokenizer, grammars):
+    """`parallel_tool_calls=false` holds the output to an array of exactly one call (two are
+    refused, as with it on they are taken); `tool_choice: none` with tools constrains nothing."""
+    body = protocol.ChatRequest(model="tiny", messages=MESSAGES, tools=TOOLS)
+    one = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+
+    def takes(request, text: str) -> bool:
+        matcher = constraint(grammars, request).matcher()
+        try:
+            return [matcher.take(t) for t in tokenizer.encode(text)][-1]
+        except RuntimeError:
+            return False
+
+    single = body.model_copy(update={"tool_choice": "required", "parallel_tool_calls": False})
+    several = body.model_copy(update={"tool_choice": "required"})
+    assert takes(single, f"[{one}]") and not takes(single, f"[{one}, {one}]")
+    assert takes(several, f"[{one}, {one}]")
+    free = body.model_copy(update={"tool_choice": "none"})
+    assert constraint(grammars, free) is None and not Calls(free).active
+    assert Calls(free).read(f"[{one}]") is None  # text that looks like a call stays text
 
 
 @pytest.fixture(scope="module")
