@@ -13,6 +13,7 @@ from jaxllm.config.devices import validate, validate_tensor
 from jaxllm.config.files import base_config, load_config
 from jaxllm.config.section import ConfigError, Section, apply_overrides, field, require
 from jaxllm.config.sections import (
+    CHUNKED_SCHEDULES,
     MESH_AXES,
     REMAT_POLICIES,
     TABLE_SCHEDULES,
@@ -31,8 +32,8 @@ from jaxllm.config.sections import (
 )
 
 __all__ = [
-    "MESH_AXES", "REMAT_POLICIES", "CheckpointConfig", "ConfigError", "DataConfig", "Fp8Config", "InitConfig",
-    "LoraConfig", "ModelConfig", "ParallelConfig", "RopeScaling", "RunConfig", "Schedule", "Section", "TABLE_SCHEDULES",
-    "TrainConfig",
-    "apply_overrides", "base_config", "field", "load_config", "require", "step_range", "validate", "validate_tensor",
+    "CHUNKED_SCHEDULES", "MESH_AXES", "REMAT_POLICIES", "CheckpointConfig", "ConfigError", "DataConfig", "Fp8Config",
+    "InitConfig", "LoraConfig", "ModelConfig", "ParallelConfig", "RopeScaling", "RunConfig", "Schedule", "Section",
+    "TABLE_SCHEDULES", "TrainConfig", "apply_overrides", "base_config", "field", "load_config", "require",
+    "step_range", "validate", "validate_tensor",
 ]  # fmt: skip

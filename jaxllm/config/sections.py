@@ -22,7 +22,8 @@ AmaxReduce = Literal["global", "local"]
 PipelineSchedule = Literal["gpipe", "circular", "1f1b", "interleaved_1f1b"]
 # Schedules run by a timetable (`parallel/timetable.py`) rather than as a forward loop JAX transposes.
 TABLE_SCHEDULES = ("1f1b", "interleaved_1f1b")
-_CHUNKED_SCHEDULES = ("circular", "interleaved_1f1b")  # those whose stages each hold `repeats` chunks
+# The schedules whose stages each hold `repeats` chunks, and each one's schedule of one chunk a stage.
+CHUNKED_SCHEDULES = {"circular": "gpipe", "interleaved_1f1b": "1f1b"}
 RopeScalingType = Literal["none", "linear", "llama3"]
 Quantize = Literal["int8"]
 REMAT_POLICIES = typing.get_args(RematPolicy)
@@ -235,7 +236,7 @@ class ParallelConfig(Section):
             self.stage > 1 or self.repeats == 1,
             f"parallel.repeats={self.repeats} needs a pipeline; set parallel.stage > 1 or repeats=1",
         )
-        chunked = self.schedule in _CHUNKED_SCHEDULES
+        chunked = self.schedule in CHUNKED_SCHEDULES
         require(
             self.repeats == 1 or chunked,
             f"parallel.repeats={self.repeats} with parallel.schedule={self.schedule}: chunks per stage need "
@@ -244,7 +245,7 @@ class ParallelConfig(Section):
         require(
             self.repeats > 1 or not chunked or self.stage == 1,
             f"parallel.schedule={self.schedule} passes over the stages `repeats` times; set parallel.repeats >= 2 "
-            f"(or schedule={'gpipe' if self.schedule == 'circular' else '1f1b'})",
+            f"(or schedule={CHUNKED_SCHEDULES.get(self.schedule)})",
         )
         require(
             self.schedule != "interleaved_1f1b" or self.microbatches % self.stage == 0,

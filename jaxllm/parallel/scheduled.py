@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import Schedule
+from jaxllm.parallel import timetable
 from jaxllm.parallel.collectives import reduce_scatter_sum, to_varying, varying_axes
 from jaxllm.parallel.pipeline import (
     MANUAL_AXES,
@@ -38,7 +39,7 @@ from jaxllm.parallel.pipeline import (
 from jaxllm.parallel.rules import GATHERED_RULES, active_rules, as_tuple, is_axes, manual_spec
 from jaxllm.parallel.schedule import split_microbatches
 from jaxllm.parallel.tensor_parallel import RESIDUAL
-from jaxllm.parallel.timetable import IDLE, build
+from jaxllm.parallel.timetable import IDLE
 
 
 def _varying_over(x: jax.Array, axes: frozenset[str]) -> jax.Array:
@@ -74,7 +75,7 @@ def scheduled_loss(
 def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_fn, copies):
     """(loss sum, gradients of the stage weights (from their `copies`), of the head, of x)."""
     s, m, v = schedule.stages, schedule.microbatches, schedule.repeats
-    table = build(schedule.kind, s, m, v)
+    table = timetable.of(schedule)
     last = (s - 1, v - 1)  # the last virtual stage: (stage, chunk)
     axes = stage_major(specs)
     spec_of = partial(manual_spec, manual_axes=MANUAL_AXES)

@@ -27,6 +27,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from jaxllm.config import Schedule
+
 IDLE = -1
 # The relative cost of a backward (input and weight gradients) and a forward, as the literature
 # counts them; with `jax.checkpoint`'s recompute the backward costs one forward more.
@@ -74,6 +76,11 @@ def work_order(kind: str, stages: int, microbatches: int, chunks: int) -> tuple[
     forward = [((g // v) * s + i, g % v) for g, i in groups]
     backward = [((g // v) * s + i, v - 1 - g % v) for g, i in groups]
     return forward, backward
+
+
+def of(schedule: Schedule) -> Timetable:
+    """The timetable of a pipeline `schedule` of a table-driven kind."""
+    return build(schedule.kind, schedule.stages, schedule.microbatches, schedule.repeats)
 
 
 @cache

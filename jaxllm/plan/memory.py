@@ -15,8 +15,8 @@ from jaxllm.config import MESH_AXES, TABLE_SCHEDULES, ModelConfig, RunConfig, Sc
 from jaxllm.model.decoder import Model
 from jaxllm.model.lora import partition, trained_mask
 from jaxllm.model.params import ParamSpec, is_spec, storage_dtype
+from jaxllm.parallel import timetable
 from jaxllm.parallel.rules import GATHERED_RULES, OPTIMIZER_RULES, RULES, as_tuple, logical_spec
-from jaxllm.parallel.timetable import build
 
 
 def mesh_sizes(cfg: RunConfig) -> dict[str, int]:
@@ -128,14 +128,14 @@ def memory(cfg: RunConfig) -> dict[str, float]:
     residual = m.hidden * jnp.dtype(m.dtype).itemsize / (tensor if p.sequence_parallel else 1)
     if schedule is None:
         tokens, layers = rows * t.seq_len, m.num_layers
-        edges = 0.0
     else:
         tokens, layers = rows // schedule.microbatches * t.seq_len, m.num_layers // (stage * schedule.repeats)
-        edges = 2 * schedule.iterations * tokens * residual  # each iteration's input and output are kept
     if table:  # the embedded batch (then its gradient), the timetable's buffers, a unit's forward and
         # backward in flight; one unit's chunk rebuilt at a time, as GPipe's stage
-        slots = build(schedule.kind, schedule.stages, schedule.microbatches, schedule.repeats)
+        slots = timetable.of(schedule)
         edges = (schedule.microbatches + slots.x_slots + slots.g_slots + 4) * tokens * residual
+    else:  # a GPipe loop keeps each iteration's input and output
+        edges = 2 * schedule.iterations * tokens * residual if schedule else 0.0
     # A pipeline's backward rebuilds one iteration's layers; when those are a single group, its
     # rebuilt internals (below) are all it holds, whatever the remat policy.
     stashed = 0 if schedule and layers <= m.qkv_share_every else layers

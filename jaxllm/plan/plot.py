@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from jaxllm.config import TABLE_SCHEDULES, RunConfig, Schedule
-from jaxllm.parallel.timetable import IDLE, build
+from jaxllm.parallel import timetable
+from jaxllm.parallel.timetable import IDLE
 from jaxllm.plan.hardware import ACCELERATORS, GiB
 from jaxllm.plan.memory import memory
 from jaxllm.plan.search import HEADROOM
@@ -27,7 +28,7 @@ def schedule_grid(schedule: Schedule) -> np.ndarray:
 def timetable_grid(schedule: Schedule) -> np.ndarray:
     """[2·stages, steps] of a timetable-driven schedule: row 2s the microbatch stage s forwards in
     each step, row 2s + 1 the one it back-propagates, or BUBBLE."""
-    table = build(schedule.kind, schedule.stages, schedule.microbatches, schedule.repeats)
+    table = timetable.of(schedule)
     rows = np.empty((2 * schedule.stages, table.steps), dtype=int)
     for column, units in ((0, table.forward), (1, table.backward)):
         rows[column::2] = np.where(units.T == IDLE, BUBBLE, units.T % schedule.microbatches)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jaxllm.config import TABLE_SCHEDULES, ModelConfig, RunConfig
-from jaxllm.parallel.timetable import build
+from jaxllm.parallel import timetable
 from jaxllm.plan.comm import communication
 from jaxllm.plan.decode import decode_limit
 from jaxllm.plan.estimate import assumptions, estimate, link_bandwidth, seconds
@@ -51,7 +51,7 @@ def summary(cfg: RunConfig, convention: str = "ours") -> str:
     lines.append(f"weights, GB: {widths}")
     if (schedule := cfg.parallel.pipeline) is not None:
         if schedule.kind in TABLE_SCHEDULES:
-            table = build(schedule.kind, schedule.stages, schedule.microbatches, schedule.repeats)
+            table = timetable.of(schedule)
             loop = f"{table.steps} steps of a forward and a backward, up to {max(table.held)} microbatches held"
         else:
             loop = f"{schedule.iterations} iterations forward, then back"

@@ -8,7 +8,7 @@ import dataclasses
 import itertools
 from collections.abc import Iterator
 
-from jaxllm.config import ConfigError, RunConfig, validate
+from jaxllm.config import CHUNKED_SCHEDULES, ConfigError, RunConfig, validate
 from jaxllm.plan.estimate import Estimate, estimate
 from jaxllm.plan.hardware import DEFAULT_EFFICIENCY, Accelerator, Efficiency
 from jaxllm.plan.memory import memory
@@ -55,7 +55,11 @@ class Candidate:
     estimate: Estimate
 
 
-SCHEDULES = {False: ("gpipe", "1f1b"), True: ("circular", "interleaved_1f1b")}  # by whether chunks repeat
+def _schedules(stage: int, repeats: int) -> list[str]:
+    """The schedules a pipeline of `stage` stages and `repeats` chunks a stage can run."""
+    if stage == 1:
+        return ["gpipe"]
+    return list(CHUNKED_SCHEDULES) if repeats > 1 else list(CHUNKED_SCHEDULES.values())
 
 
 def _divisors(n: int) -> list[int]:
@@ -75,7 +79,7 @@ def layouts(cfg: RunConfig, gpus: int, per_node: int) -> Iterator[Layout]:
                 repeats = [1] if stage == 1 else [r for r in _divisors(groups // stage) if r <= 4]
                 sequence_parallel = (False, True) if tensor > 1 else (False,)
                 for remat, m, r, sp in itertools.product(REMATS, micro, repeats, sequence_parallel):
-                    for schedule in SCHEDULES[r > 1] if stage > 1 else ("gpipe",):
+                    for schedule in _schedules(stage, r):
                         yield Layout(tensor, stage, fsdp, data, remat, m, r, sp, schedule)
 
 

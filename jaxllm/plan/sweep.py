@@ -20,7 +20,7 @@ import subprocess
 import sys
 from collections.abc import Iterable, Mapping
 
-from jaxllm.config import ConfigError, RunConfig, validate
+from jaxllm.config import CHUNKED_SCHEDULES, ConfigError, RunConfig, validate
 from jaxllm.plan.estimate import Estimate, estimate
 from jaxllm.plan.hardware import DEFAULT_EFFICIENCY, Accelerator, Efficiency, GiB
 from jaxllm.plan.memory import memory
@@ -48,8 +48,6 @@ class Row:
             "measured": self.measured,
             "skipped": self.skipped,
         }
-
-ONE_CHUNK = {"circular": "gpipe", "interleaved_1f1b": "1f1b"}  # each schedule without its chunks
 
 
 def describe(layout: Layout) -> str:
@@ -79,7 +77,7 @@ def hand_layouts(cfg: RunConfig, gpus: int, multiples: Iterable[int] = MICROBATC
         data = max(gpus // (tensor * stages), 1)
         base = dataclasses.replace(
             own, tensor=tensor, stage=stages, fsdp=1, data=data, microbatches=1, repeats=1, sequence_parallel=False,
-            schedule=ONE_CHUNK.get(own.schedule, own.schedule),
+            schedule=CHUNKED_SCHEDULES.get(own.schedule, own.schedule),
         )
         if stages == 1:
             out.append(base)
