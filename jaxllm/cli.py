@@ -15,7 +15,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from jaxllm.config import ConfigError, RunConfig, Section
+from jaxllm.config import ConfigError, RunConfig, Section, no_such_field
 
 OVERRIDE = "--config."
 TRUE, FALSE = ("true", "yes", "1"), ("false", "no", "0")
@@ -93,10 +93,11 @@ def typed_overrides(texts: dict[str, str], sections: Sequence[type[Section]] = (
 
 def _field_type(section: type[Section], path: str, name: str) -> Any:
     kind: Any = section
-    for part in path.split("."):
+    before = name.count(".") - path.count(".")  # the section's name, when `name` starts with it
+    for i, part in enumerate(path.split(".")):
         hints = typing.get_type_hints(kind) if _is_section(kind) else {}
         if part not in hints or part == "name":
-            raise ConfigError(f"--config.{name}: the config has no such field; see --help for the fields")
+            raise no_such_field(f"--config.{name}", set(hints) - {"name"}, at=1 + before + i)
         kind = hints[part]
     if _is_section(kind):
         raise ConfigError(f"--config.{name} is a section; set one of its fields (see --help)")

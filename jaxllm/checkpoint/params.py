@@ -59,6 +59,9 @@ def _is_export(path: pathlib.Path) -> bool:
 
 def _steps(path: pathlib.Path, step: int | None) -> list[int]:
     """`step`, or every checkpoint step of a run, newest first; refuses a path that has none."""
+    if not path.is_dir():  # before the manager, which would create it
+        raise CheckpointError(f"{path} does not exist: no such run or export; pass the --workdir of a training run, "
+                              "an export directory or a Hugging Face directory")  # fmt: skip
     directory = path / "checkpoints"
     manager = ocp.CheckpointManager(directory, item_names=("state",))
     steps = sorted(manager.all_steps(), reverse=True) if step is None else [step]

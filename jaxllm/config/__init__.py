@@ -11,7 +11,7 @@ dataclasses' own defaults.
 
 from jaxllm.config.devices import validate, validate_tensor
 from jaxllm.config.files import base_config, load_config
-from jaxllm.config.section import ConfigError, Section, apply_overrides, field, require
+from jaxllm.config.section import ConfigError, Section, apply_overrides, field, no_such_field, require
 from jaxllm.config.sections import (
     CHUNKED_SCHEDULES,
     MESH_AXES,
@@ -34,6 +34,6 @@ from jaxllm.config.sections import (
 __all__ = [
     "CHUNKED_SCHEDULES", "MESH_AXES", "REMAT_POLICIES", "CheckpointConfig", "ConfigError", "DataConfig", "Fp8Config",
     "InitConfig", "LoraConfig", "ModelConfig", "ParallelConfig", "RopeScaling", "RunConfig", "Schedule", "Section",
-    "TABLE_SCHEDULES", "TrainConfig", "apply_overrides", "base_config", "field", "load_config", "require",
-    "step_range", "validate", "validate_tensor",
+    "TABLE_SCHEDULES", "TrainConfig", "apply_overrides", "base_config", "field", "load_config",
+    "no_such_field", "require", "step_range", "validate", "validate_tensor",
 ]  # fmt: skip

@@ -5,6 +5,7 @@ one error type, whose message names the field, its value and the fix."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from collections.abc import Mapping, MutableMapping
@@ -22,6 +23,15 @@ class ConfigError(JaxllmError):
 def require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def no_such_field(name: str, known: typing.Iterable[str], at: int = -1) -> ConfigError:
+    """The refusal of the setting `name` (dotted, as written) whose part `at` is not among `known`
+    (the names beside it), naming the field it most likely meant."""
+    parts = name.split(".")
+    near = difflib.get_close_matches(parts[at], list(known), n=1)
+    hint = f"did you mean {'.'.join(parts[:at] + near + parts[at:][1:])}? " if near else ""
+    return ConfigError(f"{name}: the config has no such field; {hint}see a command's --help for the fields")
 
 
 def field(default: Any, help: str) -> Any:
@@ -47,8 +57,8 @@ class Section:
     def from_dict(cls, values: Mapping[str, Any]) -> typing.Self:
         hints, known = typing.get_type_hints(cls), {f.name for f in dataclasses.fields(cls)}
         for key in values:
-            unknown = f"{cls.name}.{key}: the config has no such field; see a command's --help for the fields"
-            require(key in known, unknown)
+            if key not in known:
+                raise no_such_field(f"{cls.name}.{key}", known)
         kwargs = {}
         for key, value in values.items():
             kind = hints[key]
@@ -99,11 +109,11 @@ def apply_overrides(cfg: MutableMapping, overrides: Mapping[str, Any]) -> Mutabl
     for name, value in overrides.items():
         *parents, leaf = name.split(".")
         node = cfg
-        for parent in parents:
-            node = node.get(parent)
-            if node is None:
-                break
-        if node is None or leaf not in node:
-            raise ConfigError(f"--config.{name}: the config has no such field; see a command's --help for the fields")
+        for i, part in enumerate(name.split(".")):
+            known = node.keys() if hasattr(node, "keys") else ()
+            if part not in known:
+                raise no_such_field(f"--config.{name}", known, at=i + 1)
+            if i < len(parents):
+                node = node[part]
         node[leaf] = value
     return cfg

@@ -28,6 +28,7 @@ RopeScalingType = Literal["none", "linear", "llama3"]
 Quantize = Literal["int8"]
 REMAT_POLICIES = typing.get_args(RematPolicy)
 MESH_AXES = ("data", "fsdp", "stage", "tensor")
+FAKE_DEVICES = "; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N gives N fake devices"
 RETIRED_SECTIONS = ("debug", "serve")  # in configs stored before: fault injection moved out, serving owns its own
 
 
@@ -279,13 +280,13 @@ class ParallelConfig(Section):
             require(
                 num_devices % known == 0,
                 f"{asked}: the fixed sizes multiply to {known}, which does not divide the {num_devices} devices; "
-                f"choose sizes whose product divides {num_devices}",
+                f"choose sizes whose product divides {num_devices}{FAKE_DEVICES}",
             )
             sizes[sizes.index(-1)] = num_devices // known
         require(
             math.prod(sizes) == num_devices,
             f"{asked}: the mesh has {math.prod(sizes)} devices but {num_devices} exist; make the product equal "
-            f"{num_devices} or set one size to -1",
+            f"{num_devices} or set one size to -1{FAKE_DEVICES}",
         )
         return tuple(sizes)
 

@@ -86,9 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     ]
     if args.search:
         gpus = args.gpus or math.prod(max(s, 1) for s in sizes.values())
-        fitting, valid = search(cfg, gpus, accelerator, args.headroom, efficiency)
-        sections.append(search_report(cfg, fitting, valid, gpus, accelerator, args.top))
-        if not fitting:
+        searched = search(cfg, gpus, accelerator, args.headroom, efficiency)
+        sections.append(search_report(cfg, searched, gpus, accelerator, args.top))
+        if searched.valid and not searched.fitting:  # the checks passed some, memory none
             sections.append(fewest_gpus_report(cfg, gpus, accelerator, args.headroom, efficiency))
     print("\n\n".join("\n".join(lines) for lines in sections), flush=True)
     if args.plot:
@@ -109,7 +109,7 @@ def fewest_gpus_report(cfg, gpus: int, accelerator, headroom: float, efficiency,
     budget = f"{accelerator.memory * (1 - headroom) / GiB:.1f} GiB"
     more = gpus * 2
     while more <= most:
-        if fitting := search(cfg, more, accelerator, headroom, efficiency)[0]:
+        if fitting := search(cfg, more, accelerator, headroom, efficiency).fitting:
             best = fitting[0]
             return [f"none fits {budget} a device on {gpus} GPUs; on {more}, {len(fitting)} do, the fastest at "
                     f"{best.memory / GiB:.1f} GiB: {best.layout.overrides()}"]  # fmt: skip

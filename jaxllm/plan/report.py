@@ -18,7 +18,7 @@ from jaxllm.plan.memory import (
     mesh_sizes,
 )
 from jaxllm.plan.params import applied_matmul_params, megatron_extras, param_counts, weight_bytes
-from jaxllm.plan.search import Candidate, Layout
+from jaxllm.plan.search import Layout, Searched
 
 
 def summary(cfg: RunConfig, convention: str = "ours") -> str:
@@ -166,13 +166,14 @@ def estimate_report(cfg: RunConfig, efficiency: Efficiency = DEFAULT_EFFICIENCY)
     return lines
 
 
-def search_report(
-    cfg, fitting: list[Candidate], valid: int, gpus: int, accelerator: Accelerator, top: int
-) -> list[str]:
+def search_report(cfg, searched: Searched, gpus: int, accelerator: Accelerator, top: int) -> list[str]:
+    fitting = searched.fitting
     lines = [
-        f"layouts for {gpus} × {accelerator.label}: {valid} pass the config's checks, {len(fitting)} fit; "
+        f"layouts for {gpus} × {accelerator.label}: {searched.valid} pass the config's checks, {len(fitting)} fit; "
         f"fastest first (estimated):"
     ]
+    if not searched.valid:  # say why, most common first
+        lines += [f"  {n} refused: {message}" for message, n in searched.refused.most_common(3)]
     own = Layout.of(cfg)
     for rank, c in enumerate(fitting, 1):
         if rank <= top or c.layout == own:

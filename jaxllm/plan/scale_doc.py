@@ -36,7 +36,8 @@ def page() -> str:
         refusal = "(accepted)"
     except ConfigError as e:
         refusal = str(e)
-    fitting, valid = search(cfg, 64, ACCELERATORS["a100-80gb"])
+    searched = search(cfg, 64, ACCELERATORS["a100-80gb"])
+    fitting, valid = searched.fitting, searched.valid
     own = Layout.of(cfg)
     rank = next(i for i, c in enumerate(fitting, 1) if c.layout == own)
     piped = Layout.of(cfg.updated(parallel=PIPELINED))

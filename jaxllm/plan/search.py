@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections import Counter
 from collections.abc import Iterator
+from typing import NamedTuple
 
 from jaxllm.config import CHUNKED_SCHEDULES, ConfigError, RunConfig, validate
 from jaxllm.plan.estimate import Estimate, estimate
@@ -83,23 +85,31 @@ def layouts(cfg: RunConfig, gpus: int, per_node: int) -> Iterator[Layout]:
                         yield Layout(tensor, stage, fsdp, data, remat, m, r, sp, schedule)
 
 
+class Searched(NamedTuple):
+    fitting: list[Candidate]  # the layouts that pass the checks and fit, fastest first
+    valid: int  # how many passed the checks
+    refused: Counter[str]  # the checks' messages, each with how many layouts it refused
+
+
 def search(
     cfg: RunConfig,
     gpus: int,
     accelerator: Accelerator,
     headroom: float = HEADROOM,
     efficiency: Efficiency = DEFAULT_EFFICIENCY,
-) -> tuple[list[Candidate], int]:
-    """(the layouts that pass the checks and fit, fastest first; how many passed the checks)."""
-    fitting, valid = [], 0
+) -> Searched:
+    """Every layout of `gpus` devices, checked, planned and estimated."""
+    fitting, valid, refused = [], 0, Counter()
     for layout in layouts(cfg, gpus, accelerator.per_node):
         try:
             candidate = layout.apply(cfg)
             validate(candidate, gpus)
-        except ConfigError:
+        except ConfigError as e:
+            refused[str(e)] += 1
             continue
         valid += 1
         total = memory(candidate)["total"]
         if total <= accelerator.memory * (1 - headroom):
             fitting.append(Candidate(layout, total, estimate(candidate, accelerator, efficiency)))
-    return sorted(fitting, key=lambda c: (c.estimate.step, c.memory)), valid  # equally fast: the smaller first
+    fitting.sort(key=lambda c: (c.estimate.step, c.memory))  # equally fast: the smaller first
+    return Searched(fitting, valid, refused)

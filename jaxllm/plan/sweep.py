@@ -111,7 +111,7 @@ def plan_rows(cfg: RunConfig, gpus: int, accelerator: Accelerator, top: int,
               multiples: Iterable[int] = MICROBATCHES) -> list[Row]:  # fmt: skip
     """The sweep's layouts, planned: the `top` fastest fitting ones of `search`, then the hand
     layouts not among them; a layout the config refuses carries the reason."""
-    fitting, _ = search(cfg, gpus, accelerator, headroom, efficiency)
+    fitting = search(cfg, gpus, accelerator, headroom, efficiency).fitting
     rows = [Row(f"plan #{k}", c.layout) for k, c in enumerate(fitting[:top], 1)]
     planners = [r.layout for r in rows]
     rows += [Row("hand", layout) for layout in hand_layouts(cfg, gpus, multiples) if layout not in planners]

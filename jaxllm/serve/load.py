@@ -37,11 +37,11 @@ def serving_setup(
     params). `overrides` are dotted fields: `serve.*` set the server, the others the stored config;
     `tokenizer` replaces the saved one, which it must match."""
     path, overrides = pathlib.Path(path), overrides or {}
+    stored = stored_config(path)  # first: it says when `path` is no run at all
     if is_hf_dir(path):  # its tokenizer.json, if it has one, lies beside its config.json
         saved_tokenizer = get_tokenizer(tokenizer or path)
     else:
         saved_tokenizer = load_saved_tokenizer(path / "tokenizer", tokenizer)
-    stored = stored_config(path)
     cfg = stored.overridden({k: v for k, v in overrides.items() if not k.startswith(SERVE)})
     cfg = cfg.updated(model=dict(lora=dict(rank=0)))  # LoRA adapters are folded into their weights at load
     if stored.model.quantize == "int8" and cfg.model.quantize != "int8":

@@ -37,7 +37,9 @@ def ensure_fake_devices(cfg: RunConfig) -> None:
     mesh has, unless it already runs on them. Must run before JAX initialises a backend."""
     sizes = cfg.parallel.sizes
     if -1 in sizes.values():
-        raise ConfigError(f"--dry-run needs explicit mesh sizes, got {sizes}")
+        unsized = " ".join(f"--config.parallel.{axis}=N" for axis, n in sizes.items() if n == -1)
+        raise ConfigError(f"--dry-run compiles for the mesh the config names, and {sizes} leaves an axis to the "
+                          f"devices found (-1); give its size: {unsized}")  # fmt: skip
     devices = str(math.prod(sizes.values()))
     if os.environ.get(DEVICES_ENV) == devices:
         return

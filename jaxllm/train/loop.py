@@ -207,8 +207,12 @@ class Loop:
         )
         self.last, self.latest_val = {}, {}
         self.warnings = OncePerRun()  # each out-of-band ratio warned about once a run
+        profiled = step_range(t.profile_steps, "train.profile_steps") or (0, -1)
+        if 0 < profiled[0] <= self.start and jax.process_index() == 0:  # the trace would start after step A − 1
+            print(f"warning: train.profile_steps={t.profile_steps} starts at or before step {self.start}, where "
+                  "this run resumes, so nothing is traced; profile later steps, or in a new --workdir", flush=True)
         self.profiler = StepProfiler(
-            step_range(t.profile_steps, "train.profile_steps") or (0, -1),
+            profiled,
             pathlib.Path(workdir) / "profile",
             module="jit_train_step",
             schedule=run.schedule,

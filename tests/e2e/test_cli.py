@@ -44,7 +44,9 @@ def test_overrides_are_parsed_by_their_fields_types():
     [
         ("--config.train.steps=five", "--config.train.steps=five: the field takes an integer"),
         ("--config.parallel.zero1=maybe", "--config.parallel.zero1=maybe: the field takes true or false"),
-        ("--config.train.stepz=5", "--config.train.stepz: the config has no such field; see --help"),
+        ("--config.train.stepz=5", r"--config.train.stepz: .* no such field; did you mean --config.train.steps\?"),
+        ("--config.trian.steps=5", r"--config.trian.steps: .* no such field; did you mean --config.train.steps\?"),
+        ("--config.train.zzzz=5", "--config.train.zzzz: the config has no such field; see a command's --help"),
         ("--config.model.rope_scaling=x", "--config.model.rope_scaling is a section; set one of its fields"),
         ("--config.train.steps", "--config.train.steps has no value; write --config.train.steps=VALUE"),
     ],
@@ -64,3 +66,13 @@ def test_importing_the_commands_defines_no_flags():
              "print(sorted(absl.flags.FLAGS))")  # fmt: skip
     flags = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert "config" not in flags and "workdir" not in flags, flags
+
+
+@pytest.mark.parametrize("flag", ["--workdir", "--checkpoint"])
+def test_serving_a_run_that_does_not_exist_says_so_and_creates_nothing(flag, tmp_path):
+    missing = tmp_path / "runs" / "tiyn"
+    done = subprocess.run([sys.executable, "-m", "jaxllm.serve", flag, str(missing)], cwd=ROOT, capture_output=True,
+                          text=True)  # fmt: skip
+    assert done.returncode != 0
+    assert f"{missing} does not exist: no such run or export; pass the --workdir of a training run" in done.stderr
+    assert not (tmp_path / "runs").exists()

@@ -24,6 +24,10 @@ def test_a_profiled_run_writes_the_trace_and_prints_and_logs_the_summary(tmp_pat
     assert "comm_share" not in logged[2] and "memory_fraction" not in logged[4]  # CPU reports no memory stats
     # 2 stages × 2 microbatches: a third of the pipeline's iterations are empty, over the 15 % band
     assert out.count("warning: bubble_measured=") == 1 and "parallel.microbatches" in out
+    # One more step in the same workdir resumes after step 5: the run says why it traces nothing.
+    again = run(train_command(workdir, *flags[:-2], "--config.train.steps=6", flags[-1])).stdout
+    assert "warning: train.profile_steps=3:4 starts at or before step 5, where this run resumes" in again, again
+    assert "profile:" not in again and len(list((workdir / "profile" / "plugins" / "profile").glob("*"))) == 1
 
 
 def test_serve_profile_steps_trace_the_engine_steps(trained, tmp_path):

@@ -181,7 +181,9 @@ def test_killed_task_reruns_in_the_allocation_bit_identical_and_accounted(runs, 
     assert goodput["lost_steps"] == reached - restored > 0
     assert goodput["attempts"] == 3  # the data step, the killed step, the rerun
     assert sum(goodput["seconds"].values()) == pytest.approx(goodput["wall"])
-    assert goodput["wall"] == pytest.approx(measured, rel=0.02)
+    # Seen from outside, the run also lasts through its last process's exit, after the ledger's last
+    # line: seconds on a loaded machine, whatever the run's length.
+    assert -0.5 < measured - goodput["wall"] < 5, (measured, goodput["wall"])
 
 
 def test_stopped_task_is_detected_within_the_heartbeat_timeout(runs, cluster):

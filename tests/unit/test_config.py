@@ -220,9 +220,14 @@ def test_serving_config_resolves_its_defaults():
 
 
 def test_unknown_override_is_refused():
-    with pytest.raises(ConfigError, match="--config.serve.slot: the config has no such field"):
+    near = r"the config has no such field; did you mean {}\?"
+    with pytest.raises(ConfigError, match="--config.serve.slot: " + near.format("--config.serve.slots")):
         apply_overrides(base_config(ServeConfig), {"serve.slot": 4})
-    with pytest.raises(ConfigError, match="serve.slot: the config has no such field"):
+    with pytest.raises(ConfigError, match="--config.srve.slots: " + near.format("--config.serve.slots")):
+        apply_overrides(base_config(ServeConfig), {"srve.slots": 4})
+    with pytest.raises(ConfigError, match="--config.serve.slots.x: the config has no such field; see"):
+        apply_overrides(base_config(ServeConfig), {"serve.slots.x": 4})
+    with pytest.raises(ConfigError, match="serve.slot: " + near.format("serve.slots")):
         ServeConfig.from_dict({"slot": 4})
 
 

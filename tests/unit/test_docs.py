@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tomllib
 
+import pytest
 from support.docs import ROOT, all_blocks, blocks, pages, runnable_block
 
 CODE = {"bash", "sh", "shell", "console", "python", "py", "pycon"}
@@ -66,6 +67,69 @@ def test_the_readme_and_the_site_list_every_page():
     assert readme == docs, f"the README's map of the docs: missing {docs - readme}, unknown {readme - docs}"
     nav = set(re.findall(r":\s*([\w-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M))
     assert nav == docs, f"mkdocs.yml's nav: missing {docs - nav}, unknown {nav - docs}"
+
+
+def test_the_home_page_is_the_readme_with_an_install_and_goals():
+    """The site's home page says what the README says (its opening paragraph, its feature list with
+    the links the site needs, its Quickstart's two commands as they are), and adds how to install
+    and where to go next."""
+    readme, home = (ROOT / "README.md").read_text(), (ROOT / "docs" / "index.md").read_text()
+
+    def features(text: str) -> str:
+        return text[text.index("- **Model**") : text.index("\n## ", text.index("- **Model**"))]
+
+    assert readme.split("\n\n")[1] == home.split("\n\n")[1], "the opening paragraphs differ"
+    assert features(readme).replace("(docs/", "(") == features(home), "the feature lists differ"
+    quickstart = {b.code for b in blocks(ROOT / "README.md") if b.language == "bash"}
+    assert len(quickstart) == 2 and quickstart <= {b.code for b in blocks(ROOT / "docs" / "index.md")}
+    for heading in ("## Install", "## Quickstart", "## Pick your goal"):
+        assert heading in home
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert f"Python {project['requires-python'].removeprefix('>=')} or later" in home and "python3 -m venv" in home
+    assert "cuda12" in project["optional-dependencies"] and "pip install -e '.[cuda12]'" in home
+    goals = home[home.index("## Pick your goal") : home.index("## What is in it")]
+    linked = set(re.findall(r"\(([\w-]+\.md)", goals))
+    assert {"data.md", "planner.md", "cluster.md", "fine-tuning.md", "serving.md"} <= linked
+
+
+def test_the_troubleshooting_page_quotes_jaxllms_messages_as_they_print(tmp_path):
+    """Each of jaxllm's errors on the page, produced here by the code that raises it, as a command
+    prints it (`error: ` and the message; the missing run's path as the page writes it)."""
+    from jaxllm import cli
+    from jaxllm.checkpoint.params import stored_config
+    from jaxllm.config import ParallelConfig, load_config, validate
+    from jaxllm.errors import JaxllmError
+    from jaxllm.train.dry_run import ensure_fake_devices
+
+    tiny = load_config(str(ROOT / "configs" / "tiny.py"))
+
+    def printed(call) -> str:
+        with pytest.raises(JaxllmError) as raised:
+            call()
+        return f"error: {raised.value}"
+
+    quoted = [
+        printed(lambda: validate(tiny.updated(parallel=dict(tensor=8, data=1)), 8)),
+        printed(lambda: ParallelConfig(tensor=2).mesh_shape(1)),
+        printed(lambda: ensure_fake_devices(tiny.updated(parallel=dict(tensor=8)))),
+        printed(lambda: cli.typed_overrides({"train.stpes": "5"})),
+        printed(lambda: stored_config(tmp_path / "runs" / "tiyn")).replace(str(tmp_path), "/home/me"),
+    ]
+    page = (ROOT / "docs" / "troubleshooting.md").read_text()
+    assert not [q for q in quoted if f"```text\n{q}\n```" not in page]
+
+
+def test_the_glossary_defines_each_term_once_and_only_terms_the_pages_use():
+    """Each bold term of the glossary (an entry may define several: "FSDP / ZeRO", "TTFT, TPOT")
+    once; the terms newcomers asked about among them; and each one used on some other page."""
+    glossary = ROOT / "docs" / "glossary.md"
+    terms = [t.strip("`") for bold in re.findall(r"\*\*([^*]+)\*\*", glossary.read_text())
+             for t in re.split(r",\s*|\s*/\s*", bold)]  # fmt: skip
+    lowered = [t.lower() for t in terms]
+    assert len(set(lowered)) == len(lowered), f"defined twice: {[t for t in terms if lowered.count(t.lower()) > 1]}"
+    assert {"mfu", "fsdp", "zero", "remat", "gqa", "ttft", "e4m3", "e5m2", "bubble", "goodput"} <= set(lowered)
+    others = " ".join(re.sub(r"\s+", " ", p.read_text().lower()) for p in pages() if p != glossary)
+    assert not [t for t in terms if t.lower() not in others], "terms no other page uses"
 
 
 def test_the_architecture_page_lists_the_import_contracts_layers():

@@ -18,7 +18,7 @@ from jaxllm.model import Model
 from jaxllm.model.dense import einsum_projections
 from jaxllm.model.generate import generate
 from jaxllm.model.int8 import quantize_tree
-from jaxllm.model.lora import Adapted, adapter_mask, combine, dropped, merge_adapters, partition, with_adapters
+from jaxllm.model.lora import Adapted, adapted, adapter_mask, combine, dropped, merge_adapters, partition, with_adapters
 from jaxllm.model.params import count
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.serve.generation import Request
@@ -148,6 +148,19 @@ def test_adapter_dropout_drops_its_rate_and_keeps_the_expectation():
     # Inverted dropout is unbiased: the mean of the draws is the undropped projection (to 5 standard errors).
     error = np.asarray(draws.std(0) / np.sqrt(draws.shape[0]))
     assert (np.abs(np.asarray(draws.mean(0) - plain)) < 5 * error + 1e-6).all()
+
+
+def test_each_adapter_of_a_layer_draws_its_own_dropout_mask():
+    """As PEFT's one dropout module per adapted projection: a layer's key gives the q and k adapters,
+    on the same input with the same weights, different masks, each the same every time."""
+    rng = np.random.default_rng(0)
+    x, w, a, b = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((2, 8, 16), (16, 12), (16, 3), (3, 12)))
+    lora = {"a": a, "b": b}
+    params = {"q": w, "q_lora": lora, "k": w, "k_lora": lora}
+    op, layer = with_adapters(einsum_projections, 2.0, 0.5), jax.random.key(3)
+    q, k, q_again = (op(x, (adapted(params, name, layer),), "bte,ef->btf")[0] for name in ("q", "k", "q"))
+    np.testing.assert_array_equal(q, q_again)
+    assert np.abs(np.asarray(q - k)).max() > 0.1
 
 
 def test_adapter_dropout_trains_on_every_layout_and_repeats_with_its_seed(single):

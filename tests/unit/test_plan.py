@@ -29,7 +29,7 @@ from jaxllm.plan.hlo import collective_bytes
 from jaxllm.plan.params import megatron_extras, megatron_formula
 from jaxllm.plan.plot import BUBBLE, schedule_grid, timetable_grid
 from jaxllm.plan.scale_doc import page
-from jaxllm.plan.search import Layout, search
+from jaxllm.plan.search import Layout, layouts, search
 from jaxllm.train.dry_run import AS_ON_GPU, lower_abstract_step, peak_bytes
 from jaxllm.train.step import init_params
 
@@ -176,7 +176,7 @@ def test_search_lists_the_120b_layout_among_those_that_fit_64_a100s(tmp_path):
     assert own, out[-3000:]
     cfg = load_config("configs/120b.py")
     assert own.group(2) == Layout.of(cfg).overrides()
-    fitting, _ = search(cfg, 64, ACCELERATORS["a100-80gb"])
+    fitting = search(cfg, 64, ACCELERATORS["a100-80gb"]).fitting
     assert len(fitting) > int(own.group(1)) - 1 and all(c.memory <= 0.9 * 80 * 2**30 for c in fitting)
     rows = re.findall(r"^ +\d+\. step .*?GiB  (--config.*?)(?:  ← this config)?$", out, re.M)
     assert len(rows) == 4  # the top 3 and this config's
@@ -202,7 +202,7 @@ def test_at_2048_a100s_the_120b_pipelines_again_as_the_pipeline_page_says():
     two stages of two chunks each, circular and interleaved 1F1B tie on step time (circular first:
     less memory), and GPipe's and no pipeline's best step times are the page's."""
     cfg = load_config("configs/120b.py").updated(train=dict(batch_size=1024, grad_accum_steps=1))
-    fitting, _ = search(cfg, 2048, ACCELERATORS["a100-80gb"])
+    fitting = search(cfg, 2048, ACCELERATORS["a100-80gb"]).fitting
     best = {}
     for c in fitting:
         best.setdefault(c.layout.schedule if c.layout.stage > 1 else "none", c)
@@ -220,21 +220,39 @@ def test_search_on_a100_40gb_says_how_many_gpus_the_120b_needs():
     moments alone (16 bytes a parameter, 29.8 GB a GPU over 64) leave no layout within 40 GB less
     the headroom, and the planner names the GPU count where layouts fit, each within 36 GiB."""
     cfg = load_config("configs/120b.py")
-    none_fit, valid = search(cfg, 64, ACCELERATORS["a100-40gb"])
-    assert not none_fit and valid > 0 and search(cfg, 64, ACCELERATORS["a100-80gb"])[0]
-    fitting = search(cfg, 128, ACCELERATORS["a100-40gb"])[0]
+    on_40gb = search(cfg, 64, ACCELERATORS["a100-40gb"])
+    assert not on_40gb.fitting and on_40gb.valid > 0 and search(cfg, 64, ACCELERATORS["a100-80gb"]).fitting
+    fitting = search(cfg, 128, ACCELERATORS["a100-40gb"]).fitting
     assert fitting and all(c.memory <= 0.9 * 40 * 2**30 for c in fitting)
     cmd = [sys.executable, "-m", "jaxllm.plan", "--config", "configs/120b.py", "--search", "--gpus", "64",
            "--device", "a100-40gb", "--top", "1"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"layouts for 64 × A100 40GB: {valid} pass the config's checks, 0 fit" in proc.stdout, proc.stdout[-2000:]
+    counts = f"layouts for 64 × A100 40GB: {on_40gb.valid} pass the config's checks, 0 fit"
+    assert counts in proc.stdout, proc.stdout[-2000:]
     assert (f"none fits 36.0 GiB a device on 64 GPUs; on 128, {len(fitting)} do, the fastest at "
             f"{fitting[0].memory / 2**30:.1f} GiB: {fitting[0].layout.overrides()}") in proc.stdout  # fmt: skip
     page = (ROOT / "docs" / "cluster.md").read_text()
     params = plan.param_counts(cfg.model)["total"]
     assert f"16 bytes a parameter, {16 * params / 64 / 1e9:.1f} GB a GPU" in page
     assert f"{len(fitting)} layouts fit on 128" in page
+
+
+def test_a_search_that_the_checks_refuse_throughout_says_why():
+    """`--search --gpus 7` for the tiny config: no layout of 7 devices passes the checks, and the
+    report gives the checks' reasons, most common first, with how many layouts each refused, instead
+    of searching more GPUs for memory."""
+    cmd = [sys.executable, "-m", "jaxllm.plan", "--config", "configs/tiny.py", "--search", "--gpus", "7"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=True).stdout
+    refusals = [re.match(r"  (\d+) refused: (.*)", line) for line in out.splitlines() if " refused: " in line]
+    counts = [int(m.group(1)) for m in refusals]
+    assert "layouts for 7 × H100: 0 pass the config's checks, 0 fit" in out
+    assert len(counts) == 3 and counts == sorted(counts, reverse=True), out
+    cfg = load_config("configs/tiny.py")
+    assert sum(counts) == len(list(layouts(cfg, 7, 8)))  # these three reasons refuse every layout
+    assert refusals[0].group(2).startswith("model.num_heads=4 is not divisible by parallel.tensor=7; choose")
+    assert any("train.batch_size=16 is not divisible by" in m.group(2) for m in refusals)
+    assert "none fits" not in out
 
 
 def _value(text: str):

@@ -182,5 +182,5 @@ def test_bad_speculation_settings_are_refused(trained, tmp_path):
     save_tokenizer(get_tokenizer(vocabulary), other / "tokenizer")
     with pytest.raises(ConfigError, match=f"serve.draft_model={other} has another tokenizer"):
         serving_setup(trained[0], {**SERVE, **_draft(other)})
-    with pytest.raises(CheckpointError, match="holds no export and no checkpoint"):
+    with pytest.raises(CheckpointError, match="missing does not exist: no such run or export"):
         serving_setup(trained[0], {**SERVE, **_draft(tmp_path / "missing")})
