@@ -15,6 +15,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from jaxllm import logs
 from jaxllm.config import ConfigError, RunConfig, Section, no_such_field
 
 OVERRIDE = "--config."
@@ -33,6 +34,16 @@ def parser(prog: str, doc: str, sections: Sequence[type[Section]] = ()) -> argpa
         prog=prog, description=doc.strip().split("\n")[0], epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
+
+
+def add_logging(parser: argparse.ArgumentParser) -> None:
+    """The switches of jaxllm's logger (see `jaxllm.logs`), set by `parse_logging`."""
+    parser.add_argument("--log-all-processes", action="store_true", help="log from every process of a job, not 0 only")
+    parser.add_argument("--log-json", action="store_true", help="log JSON lines: time, level, process, logger, message")
+
+
+def parse_logging(args: argparse.Namespace) -> None:
+    logs.configure(args.log_all_processes, args.log_json)
 
 
 def _field_rows(section: type[Section], prefix: str) -> list[str]:

@@ -20,7 +20,7 @@ import argparse
 import pathlib
 import re
 
-from jaxllm import cli
+from jaxllm import cli, logs
 from jaxllm.checkpoint import load_params, stored_config, write_export
 from jaxllm.checkpoint.hf.config import ConversionError, check_llama, is_hf_dir, require_hf_dir
 from jaxllm.checkpoint.hf.directory import expanded_qkv_parameters, write_hf
@@ -34,6 +34,8 @@ from jaxllm.model.int8 import contracted_dims, dequantize
 from jaxllm.model.lora import adapter_path, fold, has_adapter
 from jaxllm.model.params import at_path, count
 from jaxllm.parallel.mesh import make_mesh
+
+log = logs.get(__name__)
 
 UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 
@@ -52,8 +54,8 @@ def from_hf(hf: str | pathlib.Path, out: str | pathlib.Path) -> None:
         tokenizer = "with its tokenizer"
     else:
         tokenizer = "without a tokenizer (none in the directory: pass --tokenizer when serving)"
-    print(f"from-hf: {hf} → {out.absolute()}: {count(Model(cfg.model).specs):,} parameters (vocab padded to "
-          f"{cfg.model.padded_vocab}) in {cfg.model.param_dtype}, {tokenizer}")  # fmt: skip
+    log.info(f"from-hf: {hf} → {out.absolute()}: {count(Model(cfg.model).specs):,} parameters (vocab padded to "
+             f"{cfg.model.padded_vocab}) in {cfg.model.param_dtype}, {tokenizer}")  # fmt: skip
 
 
 def to_hf(
@@ -84,8 +86,8 @@ def to_hf(
             raise ConversionError(f"--peft: {checkpoint} has no LoRA adapters (model.lora.rank=0); convert it "
                                   "without --peft")  # fmt: skip
         write_peft(out, model, parameter, stored.init.hf, dtype or "float32")
-        print(f"to-hf: the rank-{model.lora.rank} adapters of step {read['step']} of {checkpoint} → {out.absolute()} "
-              f"(PEFT, for the base model {stored.init.hf or 'it started from'})")  # fmt: skip
+        log.info(f"to-hf: the rank-{model.lora.rank} adapters of step {read['step']} of {checkpoint} → "
+                 f"{out.absolute()} (PEFT, for the base model {stored.init.hf or 'it started from'})")  # fmt: skip
         return
 
     def merged(path: tuple[str, ...]):  # a weight with its adapter folded in; an int8 base's dequantized
@@ -98,17 +100,18 @@ def to_hf(
     saved_tokenizer = load_saved_tokenizer(saved, tokenizer) if tokenizer or has_saved_tokenizer(saved) else None
     model, dtype = model.replace(lora=LoraConfig(), quantize=None), dtype or model.param_dtype
     files = write_hf(out, model, merged, saved_tokenizer, dtype, max_shard_bytes)
-    print(f"to-hf: step {read['step']} of {checkpoint} → {out.absolute()}: {len(files)} safetensors file(s) in {dtype}")
+    log.info(f"to-hf: step {read['step']} of {checkpoint} → {out.absolute()}: {len(files)} safetensors file(s) in "
+             f"{dtype}")  # fmt: skip
     if model.qkv_share_every > 1:
-        print(f"to-hf: --expand-shared-qkv wrote each of the {model.groups} shared q/k/v into the "
-              f"{model.qkv_share_every} layers of its group: an exact Llama with "
-              f"{expanded_qkv_parameters(model):,} more parameters than this model")  # fmt: skip
+        log.info(f"to-hf: --expand-shared-qkv wrote each of the {model.groups} shared q/k/v into the "
+                 f"{model.qkv_share_every} layers of its group: an exact Llama with "
+                 f"{expanded_qkv_parameters(model):,} more parameters than this model")  # fmt: skip
     if saved_tokenizer is None:
-        print(f"to-hf: {checkpoint} holds no tokenizer, so {out} has none (and config.json names no bos or eos "
-              "token): copy the model's tokenizer files there, or convert again with --tokenizer")  # fmt: skip
+        log.warning(f"to-hf: {checkpoint} holds no tokenizer, so {out} has none (and config.json names no bos "
+                    "or eos token): copy the model's tokenizer files there, or convert again with --tokenizer")
     elif not isinstance(saved_tokenizer, HFTokenizer):
-        print(f"to-hf: the run's tokenizer is {saved_tokenizer.name!r}, which has no tokenizer.json; load it with "
-              "transformers' AutoTokenizer.from_pretrained('gpt2')")  # fmt: skip
+        log.warning(f"to-hf: the run's tokenizer is {saved_tokenizer.name!r}, which has no tokenizer.json; load it "
+                    "with transformers' AutoTokenizer.from_pretrained('gpt2')")  # fmt: skip
 
 
 def _empty_out(out: str | pathlib.Path) -> pathlib.Path:

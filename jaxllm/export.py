@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import pathlib
 
-from jaxllm import cli
+from jaxllm import cli, logs
 from jaxllm.checkpoint import load_params, write_export
 from jaxllm.config import ParallelConfig
 from jaxllm.data.tokenizer import load_saved_tokenizer, save_tokenizer
 from jaxllm.errors import exit_on_error
 from jaxllm.parallel.mesh import make_mesh
+
+log = logs.get(__name__)
 
 
 def export(
@@ -35,7 +37,7 @@ def export(
     cfg, params, step = load_params(workdir, make_mesh(ParallelConfig(data=1, fsdp=-1)), step=step, quantize=quantize)
     write_export(out, cfg, params, step)
     save_tokenizer(saved_tokenizer, pathlib.Path(out) / "tokenizer")
-    print(f"exported step {step} of {workdir} to {pathlib.Path(out).absolute()}")
+    log.info(f"exported step {step} of {workdir} to {pathlib.Path(out).absolute()}")
     return step
 
 

@@ -27,7 +27,9 @@ import sys
 import tempfile
 import time
 
-from jaxllm import cli, heartbeat
+from jaxllm import cli, heartbeat, logs
+
+log = logs.get(__name__)
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: saved and stopped on request; run it again to resume
 FINISHED, PREEMPTED = heartbeat.FINISHED, heartbeat.PREEMPTED
@@ -91,7 +93,7 @@ class _Shutdown:
     @classmethod
     def install(cls) -> None:
         def request(signum, frame):
-            print(f"launch: {signal.Signals(signum).name} received; the workers save and stop", flush=True)
+            log.info(f"launch: {signal.Signals(signum).name} received; the workers save and stop")
             cls.requested = True
 
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -150,7 +152,9 @@ def main() -> None:
     parser.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds until the first step")
     parser.add_argument("--backoff", type=float, default=5.0, help="seconds before the first restart, doubling")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the training command")
+    cli.add_logging(parser)
     args = parser.parse_args()
+    cli.parse_logging(args)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the training command after --")
@@ -177,14 +181,14 @@ def supervise(command: list[str], nproc: int, beats: pathlib.Path, args: argpars
         procs = start_slurm(command, beats) if args.slurm else start_local(command, nproc, beats)
         result = run_group(procs, nproc, beats, args.heartbeat_timeout, args.startup_timeout, args.slurm)
         if result == FINISHED:
-            print(f"launch: all {nproc} processes finished", flush=True)
+            log.info(f"launch: all {nproc} processes finished")
             return 0
         if result == PREEMPTED or _Shutdown.requested:
-            print("launch: stopped on request after saving; run it again (SLURM: requeue) to resume", flush=True)
+            log.info("launch: stopped on request after saving; run it again (SLURM: requeue) to resume")
             return PREEMPTED_EXIT
-        print(f"launch: attempt {attempt + 1} failed: {result}", flush=True)
+        log.warning(f"launch: attempt {attempt + 1} failed: {result}")
         if attempt < args.max_restarts:
-            print(f"launch: restarting the group in {backoff:.0f} s, from the last checkpoint", flush=True)
+            log.info(f"launch: restarting the group in {backoff:.0f} s, from the last checkpoint")
             time.sleep(backoff)
             backoff = min(2 * backoff, 300.0)
     return f"launch: giving up after {args.max_restarts} restarts; the last attempt failed: {result}"

@@ -16,6 +16,18 @@ jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxl
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+@pytest.fixture
+def caplog(caplog):
+    """pytest's caplog, which listens at the root logger, also listening at jaxllm's, which keeps
+    its records from the root (see jaxllm/logs.py)."""
+    import logging
+
+    logger = logging.getLogger("jaxllm")
+    logger.addHandler(caplog.handler)
+    yield caplog
+    logger.removeHandler(caplog.handler)
+
+
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory):
     """Two steps of a 2-stage pipeline (data 4) with a real BPE, checkpointed as a run does: a

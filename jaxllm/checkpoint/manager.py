@@ -28,10 +28,13 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 import jaxllm
+from jaxllm import logs
 from jaxllm.checkpoint.layout import check_same_shape, from_canonical, to_canonical
 from jaxllm.checkpoint.local import LocalTier
 from jaxllm.config import ModelConfig, RunConfig
 from jaxllm.errors import JaxllmError
+
+log = logs.get(__name__)
 
 State = dict[str, Any]
 # What a damaged or partial checkpoint raises while being read (TensorStore and JSON decoding,
@@ -245,10 +248,10 @@ class Checkpointer:
             for array in jax.tree.leaves(state) if error is None else []:
                 array.delete()
             cause = "another process could not read it" if error is None else f"{type(error).__name__}: {error}"
-            print(f"checkpoint: fast-tier step {step} is unreadable ({cause.splitlines()[0][:200]}); using "
+            log.warning(f"checkpoint: fast-tier step {step} is unreadable ({cause.splitlines()[0][:200]}); using "
                   "the persistent tier")  # fmt: skip
             return None
-        print(f"checkpoint: restored step {step} from the fast tier in {self.local.directory.parent}")
+        log.info(f"checkpoint: restored step {step} from the fast tier in {self.local.directory.parent}")
         return Restored(self._own_layout(state), step, data)
 
     def restore_latest(self, before: int | None = None) -> Restored | None:
@@ -285,12 +288,12 @@ class Checkpointer:
                 error = e
             if _everyone(error is not None):
                 cause = "another process could not read it" if error is None else f"{type(error).__name__}: {error}"
-                print(f"checkpoint: step {step} is unreadable ({cause.splitlines()[0][:200]})")
+                log.warning(f"checkpoint: step {step} is unreadable ({cause.splitlines()[0][:200]})")
                 unreadable.append(step)
                 continue
             for bad in unreadable:
                 self._move_aside(bad)
-            print(f"checkpoint: restored step {step} from {self.directory} (saved on mesh {meta['mesh']})")
+            log.info(f"checkpoint: restored step {step} from {self.directory} (saved on mesh {meta['mesh']})")
             return Restored(self._own_layout(restored["state"]), step, restored["data"])
         if unreadable:
             raise CheckpointError(
@@ -309,7 +312,7 @@ class Checkpointer:
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"checkpoint step {step} moved aside")
         self.manager.reload()
-        print(f"checkpoint: moved unreadable step {step} to {aside}")
+        log.warning(f"checkpoint: moved unreadable step {step} to {aside}")
 
     def close(self) -> None:
         self.manager.wait_until_finished()

@@ -17,6 +17,7 @@ import jax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
+from jaxllm import logs
 from jaxllm.checkpoint.hf.config import is_hf_dir
 from jaxllm.checkpoint.hf.directory import read_hf_params, stored_hf_config
 from jaxllm.checkpoint.manager import UNREADABLE, CheckpointError, check_checksums, saved_config, saved_meta
@@ -27,6 +28,8 @@ from jaxllm.model.lora import merge_adapters
 from jaxllm.model.params import at_path, is_spec, storage_dtype
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.rules import tree_shardings
+
+log = logs.get(__name__)
 
 
 def abstract_params(specs: dict, mesh: Mesh, dtype: Any) -> dict:
@@ -166,7 +169,7 @@ def _read_params(
             return cfg, state["params"], step
         except UNREADABLE as e:
             cause = f"{type(e).__name__}: {e}".splitlines()[0][:200]
-            print(f"checkpoint: step {step} of {path} cannot be read ({cause})")
+            log.warning(f"checkpoint: step {step} of {path} cannot be read ({cause})")
     raise CheckpointError(f"no checkpoint of {path} can be read ({steps}; see above); pass an export or another run")
 
 

@@ -10,12 +10,15 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxllm import logs
 from jaxllm.config import ConfigError, DataConfig, ModelConfig
 from jaxllm.data.corpus import read_records, read_texts, resolve_inputs, work_units
 from jaxllm.data.examples import FIELDS, OPTIONAL
 from jaxllm.data.prepare import prepare, read_meta
 from jaxllm.data.tokenizer import Tokenizer, get_tokenizer, train_bpe
 from jaxllm.errors import JaxllmError
+
+log = logs.get(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +56,7 @@ def _tokenizer_spec(data: DataConfig, directory: pathlib.Path) -> str:
     path = directory / "tokenizer" / "tokenizer.json"
     if not path.exists():
         files = resolve_inputs(_inputs(data))
-        print(f"data: training a {data.bpe_vocab_size}-token byte-level BPE on {len(files)} inputs (first run only)")
+        log.info(f"data: training a {data.bpe_vocab_size}-token byte-level BPE on {len(files)} inputs (first run only)")
         train_bpe(_texts(data), data.bpe_vocab_size, path.parent)
     return str(path)
 

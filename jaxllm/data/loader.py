@@ -19,8 +19,11 @@ import grain
 import jax
 import numpy as np
 
+from jaxllm import logs
 from jaxllm.data.prepare import read_meta
 from jaxllm.errors import JaxllmError
+
+log = logs.get(__name__)
 
 
 class DataError(JaxllmError):
@@ -89,7 +92,7 @@ class ExampleWindows:
                 raise DataError(f"{what} (train.seq_len + 1); raise train.seq_len, shorten them, or set "
                                 "data.overlong='truncate'")  # fmt: skip
             if jax.process_index() == 0:
-                print(f"data: {what}; truncated")
+                log.warning(f"data: {what}; truncated")
 
     def __len__(self) -> int:
         return len(self.windows)

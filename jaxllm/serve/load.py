@@ -14,6 +14,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from jaxllm import logs
 from jaxllm.checkpoint import load_params, stored_config
 from jaxllm.checkpoint.hf.config import is_hf_dir
 from jaxllm.config import ConfigError, LoraConfig, ModelConfig, require, validate_tensor
@@ -26,6 +27,8 @@ from jaxllm.serve.generation import Limits
 from jaxllm.serve.guards import PerplexityAlarm
 from jaxllm.serve.runner import Progress, Runner, no_progress
 from jaxllm.serve.settings import ServeConfig, Serving, served_model, serving_config
+
+log = logs.get(__name__)
 
 SERVE = "serve."
 
@@ -102,17 +105,17 @@ def start_engine(
     mesh = make_mesh(serving.parallel, jax.local_devices()[: s.tensor])
     _, params, step = load_params(pathlib.Path(path), mesh, s.dtype, quantize=model.quantize)
     weights = f"int8 weights, {s.dtype} compute" if model.quantize else s.dtype
-    print(f"serve: step {step} of {pathlib.Path(path).absolute()}, {weights}, {s.kv_dtype} KV cache, tensor "
-          f"parallel over {s.tensor}", flush=True)  # fmt: skip
+    log.info(f"serve: step {step} of {pathlib.Path(path).absolute()}, {weights}, {s.kv_dtype} KV cache, tensor "
+             f"parallel over {s.tensor}")  # fmt: skip
     draft_params = None
     if serving.draft is not None:
         _, draft_params, draft_step = load_params(s.draft_model, mesh, s.dtype, quantize=serving.draft.quantize)
-        print(f"serve: drafting with step {draft_step} of {pathlib.Path(s.draft_model).absolute()}", flush=True)
+        log.info(f"serve: drafting with step {draft_step} of {pathlib.Path(s.draft_model).absolute()}")
     started = time.perf_counter()
     engine = build_engine(params, serving, tokenizer, mesh, progress, draft_params)
     steps = len(engine.device.decode_steps) + len(engine.device.prefill_steps)
-    print(f"serve: {steps} steps ready in {time.perf_counter() - started:.1f} s, {engine.device.steps_cached} of them "
-          "read from the compilation cache", flush=True)  # fmt: skip
+    log.info(f"serve: {steps} steps ready in {time.perf_counter() - started:.1f} s, {engine.device.steps_cached} of "
+             "them read from the compilation cache")  # fmt: skip
     return engine
 
 

@@ -31,8 +31,10 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
     parser.add_argument("--dry-run", action="store_true", help="compile the step on fake CPU devices, report, exit")
     parser.add_argument("--prepare-only", action="store_true", help="prepare the data and tokenizer, then exit")
     parser.add_argument("--goodput", metavar="WORKDIR", help="print where WORKDIR's wall-clock time went, then exit")
+    cli.add_logging(parser)
     rest, texts = cli.split_overrides(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(rest)
+    cli.parse_logging(args)
     if args.goodput:
         try:
             print(format_account(account(args.goodput)))

@@ -8,6 +8,10 @@ import signal
 import jax
 from jax.experimental import multihost_utils
 
+from jaxllm import logs
+
+log = logs.get(__name__)
+
 
 class NonFiniteSteps:
     """Counts skipped (non-finite) updates one step late: a step's flag is read once the next step
@@ -41,7 +45,7 @@ class NonFiniteSteps:
             self.in_a_row = 0
             return None
         self.in_a_row, self.total = self.in_a_row + 1, self.total + 1
-        print(f"step {step}: non-finite loss or gradients, update skipped ({self.in_a_row} in a row)", flush=True)
+        log.warning(f"step {step}: non-finite loss or gradients, update skipped ({self.in_a_row} in a row)")
         return step - self.in_a_row + 1 if self.in_a_row >= self.limit else None
 
 
@@ -56,7 +60,7 @@ class Preemption:
         self._previous = {s: signal.signal(s, self._request) for s in signals}
 
     def _request(self, signum, frame) -> None:
-        print(f"\n{signal.Signals(signum).name} received: saving a checkpoint and stopping after this step", flush=True)
+        log.info(f"{signal.Signals(signum).name} received: saving a checkpoint and stopping after this step")
         self._requested = True
 
     def reached(self, step: int) -> bool:

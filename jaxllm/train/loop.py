@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jaxllm import heartbeat, plan
+from jaxllm import heartbeat, logs, plan
 from jaxllm.checkpoint import Checkpointer
 from jaxllm.checkpoint.layout import to_canonical
 from jaxllm.config import RunConfig, step_range, validate
@@ -34,6 +34,8 @@ from jaxllm.train.goodput import Ledger, account, format_account
 from jaxllm.train.metrics import MetricsWriter, memory_fractions, memory_in_use, peak_flops
 from jaxllm.train.run import Run, State, build_run
 from jaxllm.train.step import compile_eval_step, compile_train_step, init_state
+
+log = logs.get(__name__)
 
 
 def _data_shard(sharding, batch_size: int) -> tuple[int, int, slice]:
@@ -56,10 +58,10 @@ def train(
     0, the goodput ledger (`ledger`, if the caller opened it earlier)."""
     ledger = ledger or Ledger(workdir)
     ledger.active = jax.process_index() == 0
+    logs.set_process(jax.process_index())
     validate(cfg, jax.device_count(), jax.default_backend())
     run = build_run(cfg, make_mesh(cfg.parallel))
-    if jax.process_index() == 0:
-        _announce(run, progress)
+    _announce(run, progress)
     check_shared(workdir, "--workdir")
     ledger.mark("startup")
     data = load_data(cfg, workdir)
@@ -89,12 +91,12 @@ def train(
         sample = loop.sample()
     ledger.mark("evaluate")
     heartbeat.stopped(heartbeat.FINISHED, cfg.train.steps, jax.process_index())
-    if jax.process_index() == 0:
+    if jax.process_index() == 0:  # the run's results, once: the same sample everywhere, the ledger's one writer
         if sample is not None:
-            print("sample:", json.dumps(sample))
+            log.info(f"sample: {json.dumps(sample)}")
         goodput = account(workdir)
         (pathlib.Path(workdir) / "goodput.json").write_text(json.dumps(goodput, indent=2))
-        print(format_account(goodput), flush=True)
+        log.info(format_account(goodput))
     return loop.last
 
 
@@ -110,11 +112,11 @@ def load_data(cfg: RunConfig, workdir: str | pathlib.Path):
 
 def _announce(run: Run, progress: bool) -> None:
     if progress:
-        print(json.dumps(run.cfg.to_dict(), indent=2))
-    print(describe(run.mesh))
-    print(plan.summary(run.cfg), flush=True)
+        log.info(json.dumps(run.cfg.to_dict(), indent=2))
+    log.info(describe(run.mesh))
+    log.info(plan.summary(run.cfg))
     for note in offload_notes(run.cfg, jax.devices()[0].platform):
-        print(note)
+        log.info(note)
 
 
 def offload_notes(cfg: RunConfig, platform: str) -> list[str]:
@@ -175,8 +177,7 @@ class Loop:
         self.val = [self._global({k: v[self.rows] for k, v in b.items()}) for b in val]
         self.peak, peak_source = peak
         self.flops_per_step = plan.flops_per_token(cfg.model, t.seq_len) * t.batch_size * t.seq_len
-        if jax.process_index() == 0:
-            print(f"peak {self.peak / 1e12:.3f} TFLOP/s ({peak_source}); model {self.flops_per_step:.3e} FLOPs/step")
+        log.info(f"peak {self.peak / 1e12:.3f} TFLOP/s ({peak_source}); model {self.flops_per_step:.3e} FLOPs/step")
 
         self.checkpoints = run.checkpointer(workdir)
         ledger.mark("startup")
@@ -186,7 +187,7 @@ class Loop:
         if restored is None:
             self.state, self.start = init_state(run), 0
             if cfg.init.hf:
-                print(f"init: params from {cfg.init.hf}, a fresh optimizer")
+                log.info(f"init: params from {cfg.init.hf}, a fresh optimizer")
         else:
             self.state, self.start = restored.state, restored.step
             self.batches.set_state(restored.data_state["loader"])
@@ -208,16 +209,16 @@ class Loop:
         self.last, self.latest_val = {}, {}
         self.warnings = OncePerRun()  # each out-of-band ratio warned about once a run
         profiled = step_range(t.profile_steps, "train.profile_steps") or (0, -1)
-        if 0 < profiled[0] <= self.start and jax.process_index() == 0:  # the trace would start after step A − 1
-            print(f"warning: train.profile_steps={t.profile_steps} starts at or before step {self.start}, where "
-                  "this run resumes, so nothing is traced; profile later steps, or in a new --workdir", flush=True)
+        if 0 < profiled[0] <= self.start:  # the trace would start after step A − 1
+            log.warning(f"train.profile_steps={t.profile_steps} starts at or before step {self.start}, where this "
+                        "run resumes, so nothing is traced; profile later steps, or in a new --workdir")  # fmt: skip
         self.profiler = StepProfiler(
             profiled,
             pathlib.Path(workdir) / "profile",
             module="jit_train_step",
             schedule=run.schedule,
             stage_of=stages_of(run.mesh),
-            on_summary=lambda s: print(s.format(), flush=True) if jax.process_index() == 0 else None,
+            on_summary=lambda s: log.info(s.format()),
         )
         self.clock, self.clock_step, self.saved_step = time.perf_counter(), self.start, self.start
         self.accounted = self.start  # the last step whose time the ledger holds
@@ -245,7 +246,7 @@ class Loop:
             self.state, good_step = back
             self.ledger.mark("restore", step=good_step)
             last_bad = streak_start + self.non_finite.in_a_row - 1
-            print(f"step {last_bad}: back to the params of step {good_step}; the batches since are skipped")
+            log.info(f"step {last_bad}: back to the params of step {good_step}; the batches since are skipped")
             self.non_finite.restart()
 
     def account(self, step: int, settle: bool = False) -> None:
@@ -318,8 +319,7 @@ class Loop:
     def warn(self, metrics: dict) -> None:
         """One warning a run for each health ratio outside its band (see jaxllm.profile.health)."""
         for warning in self.warnings.new(metrics):
-            if jax.process_index() == 0:
-                print(f"warning: {warning}", flush=True)
+            log.warning(warning)
 
     def _postfix(self, metrics: dict) -> dict[str, str]:
         """What the progress bar shows: only figures measured so far (no validation loss before
@@ -337,8 +337,7 @@ class Loop:
         self.checkpoints.wait()
         self.ledger.mark("save")
         heartbeat.stopped(heartbeat.PREEMPTED, step, jax.process_index())
-        if jax.process_index() == 0:
-            print(f"preempted: checkpoint saved at step {step}; run the same command to resume")
+        log.info(f"preempted: checkpoint saved at step {step}; run the same command to resume")
 
     def sample(self) -> str | None:
         """The end-of-training sample, from the plain stack over the canonical group order (None

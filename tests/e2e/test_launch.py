@@ -24,9 +24,9 @@ def _train_command(workdir):
     )
 
 
-def _launch(workdir, *launcher_args):
+def _launch(workdir, *launcher_args, train_flags=()):
     return [sys.executable, "-m", "jaxllm.launch", "--nproc", "2", "--backoff", "1", *launcher_args, "--",
-            *_train_command(workdir)]  # fmt: skip
+            *_train_command(workdir), *train_flags]  # fmt: skip
 
 
 def _losses(workdir):
@@ -35,12 +35,14 @@ def _losses(workdir):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The same training as 1 process × 8 devices and as 2 processes × 4 devices."""
+    """The same training as 1 process × 8 devices and as 2 processes × 4 devices, the latter logging
+    JSON lines from both processes (its output in multi.out)."""
     root = tmp_path_factory.mktemp("launch")
     single, multi = root / "single", root / "multi"
     run(_train_command(single))
-    proc = run(_launch(multi), devices=4)
+    proc = run(_launch(multi, train_flags=("--log-all-processes", "--log-json")), devices=4)
     assert "launch: all 2 processes finished" in proc.stdout
+    (root / "multi.out").write_text(proc.stdout)
     return single, multi
 
 
@@ -49,6 +51,17 @@ def test_two_processes_match_one(runs):
     got, want = _losses(multi), _losses(single)
     assert [s for s, _ in got] == [s for s, _ in want] == list(range(2, 13, 2))
     np.testing.assert_allclose([loss for _, loss in got], [loss for _, loss in want], rtol=1e-5)
+
+
+def test_with_log_all_processes_each_process_logs_json_lines(runs):
+    """`--log-all-processes --log-json`: both processes announce the run, as JSON lines that name
+    their process; without them only process 0 speaks (tests/e2e/test_slurm.py)."""
+    _, multi = runs
+    lines = [json.loads(line) for line in (multi.parent / "multi.out").read_text().splitlines() if line.startswith("{")]
+    announced = [r["process"] for r in lines if r["message"].startswith('{\n  "model": {')]
+    assert sorted(announced) == [0, 1]
+    assert all(r["logger"].startswith("jaxllm.") and r["level"] in ("info", "warning") for r in lines)
+    assert sum(r["message"].startswith("sample: ") for r in lines) == 1  # process 0 samples
 
 
 def _run_and_disturb(workdir, disturb, *launcher_args):
