@@ -74,7 +74,8 @@ that prints it.
   figure behind "activations cannot fit".
 - True, per GPU as `{CONFIG}` trains (remat `{m.remat}`, tensor {cfg.parallel.tensor} with sequence
   parallelism, {rows} sequence(s) at a time on each of {cfg.parallel.stage} stage(s)):
-  **{activations / GiB:.2f} GiB**, and {planned["total"] / GiB:.1f} GiB for the whole step.
+  **{activations / GiB:.2f} GiB** of activations (not the step's memory: with the weights,
+  optimizer state and temporaries that is {planned["total"] / GiB:.1f} GiB).
   `{PLAN}` (the `activations` row and the per-layer table beside Korthikanti's formula).
 
 ## INT8 weights

@@ -132,6 +132,41 @@ def test_the_glossary_defines_each_term_once_and_only_terms_the_pages_use():
     assert not [t for t in terms if t.lower() not in others], "terms no other page uses"
 
 
+def test_the_profiling_page_gives_the_bands_the_warnings_use():
+    from jaxllm.profile.health import BANDS
+
+    page = re.sub(r"\s+", " ", (ROOT / "docs" / "profiling.md").read_text())
+    low, high = (round(x * 100) for x in BANDS["memory_peak_fraction"])
+    assert f"warned outside {low}–{high} %" in page and f"| peak {low}–{high} %" in page
+    assert f"communication (under {round(BANDS['comm_share'][1] * 100)} % of the step)" in page
+    assert f"the pipeline bubble (under {round(BANDS['bubble_measured'][1] * 100)} %)" in page
+
+
+def test_the_planners_mfu_carries_what_a_gpu_measured_beside_it():
+    """The planner page's caveat and the benchmarks page quote the same H200 figures: the planner's
+    estimates for that step, as it computes them today, against the measured MFU."""
+    from jaxllm.config import load_config
+    from jaxllm.plan.estimate import estimate
+    from jaxllm.plan.hardware import ACCELERATORS
+
+    overrides = {"parallel.fsdp": 1, "train.batch_size": 8, "train.grad_accum_steps": 1}
+    remats = ("full", "selective")
+    planned = [estimate(load_config(str(ROOT / "configs" / "1b.py"), overrides | {"model.remat": remat}),
+                        ACCELERATORS["h200"]).mfu * 100 for remat in remats]  # fmt: skip
+    table = (ROOT / "docs" / "benchmarks.md").read_text()
+    measured = [float(re.search(rf"^\| {remat} \| [\d.]+ \| [\d,]+ \| ([\d.]+) %", table, re.M).group(1))
+                for remat in remats]  # fmt: skip
+    (p_full, p_sel), (m_full, m_sel) = planned, measured
+    caveat = (f"it estimated {p_full:.0f} % and {p_sel:.0f} % MFU against {m_full:.1f} % and {m_sel:.1f} % measured, "
+              f"{p_full / m_full:.1f}–{p_sel / m_sel:.1f}× too high")
+    assert caveat in _page("planner.md")
+    assert f"estimates {p_full:.0f} % MFU (`full`) and {p_sel:.0f} % (`selective`)" in _page("benchmarks.md")
+
+
+def _page(name: str) -> str:
+    return re.sub(r"\s+", " ", (ROOT / "docs" / name).read_text())
+
+
 def test_the_architecture_page_lists_the_import_contracts_layers():
     layers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]["layers"]
     page = ROOT / "docs" / "architecture.md"

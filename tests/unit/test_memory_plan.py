@@ -111,6 +111,16 @@ def test_120b_fits_an_80gb_gpu_with_headroom_in_its_dry_run():
     ratios = dict(re.findall(r"^  (reduce|gather|permute) .*planned / compiled = ([\d.]+)$", out, re.M))
     assert set(ratios) == {"reduce", "gather"}, out[-2000:]  # no pipeline: nothing permuted
     assert all(0.9 <= float(r) <= 1.1 for r in ratios.values()), ratios
+    # The parallelism page's table is this output, and it says which attention each total is for.
+    page = (ROOT / "docs" / "parallelism.md").read_text()
+    table = dict(re.findall(r"^\| ([^|]+?) \| ([\d.]+)", page, re.M))
+    printed = {"arguments (fp32 params + Adam moments)": r"arguments\s+([\d.]+) GiB",
+               "temporaries": r"temporaries\s+([\d.]+) GiB", "peak": r"  peak\s+([\d.]+) GiB",
+               "peak as XLA:CPU compiles by default": r"by default: ([\d.]+) GiB",
+               "planner total for this compile, XLA attention (`plan.memory`)": r"  total\s+([\d.]+) GiB"}  # fmt: skip
+    assert {row: table[row] for row in printed} == {row: re.search(rx, out).group(1) for row, rx in printed.items()}
+    cudnn = plan.memory(load_config("configs/120b.py"))["total"] / 2**30
+    assert f"with cuDNN attention, is {cudnn:.1f} GiB" in re.sub(r"\s+", " ", page)
 
 
 @pytest.mark.parametrize("path", ["configs/1b.py", "configs/8b.py"])
