@@ -107,13 +107,12 @@ def apply_overrides(cfg: MutableMapping, overrides: Mapping[str, Any]) -> Mutabl
     """Sets dotted fields ('serve.slots': 4) on `cfg` (a ConfigDict, or nested dicts) and returns it;
     refuses names it does not have."""
     for name, value in overrides.items():
-        *parents, leaf = name.split(".")
-        node = cfg
-        for i, part in enumerate(name.split(".")):
+        parts, node = name.split("."), cfg
+        for i, part in enumerate(parts):
             known = node.keys() if hasattr(node, "keys") else ()
             if part not in known:
                 raise no_such_field(f"--config.{name}", known, at=i + 1)
-            if i < len(parents):
+            if i < len(parts) - 1:
                 node = node[part]
-        node[leaf] = value
+        node[parts[-1]] = value
     return cfg
