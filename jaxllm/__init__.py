@@ -1,3 +1,3 @@
 """jaxllm: train and serve large decoder-only language models with JAX SPMD sharding."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

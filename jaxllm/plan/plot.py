@@ -35,24 +35,50 @@ def timetable_grid(schedule: Schedule) -> np.ndarray:
     return rows
 
 
-def _draw_schedule(ax, schedule: Schedule) -> None:
+def schedule_picture(schedule: Schedule) -> dict:
+    """What a drawing of `schedule` shows, as plain data (the docs' pictures digest it)."""
     table = schedule.kind in TABLE_SCHEDULES
     grid = timetable_grid(schedule) if table else schedule_grid(schedule)
+    return {**schedule._asdict(), "bubble": round(schedule.bubble, 6), "table": table, "grid": grid.tolist()}
+
+
+def draw_schedule(ax, picture: dict) -> None:
+    grid = np.asarray(picture["grid"])
     ax.imshow(np.ones_like(grid), cmap="Greys", vmin=0, vmax=4, aspect="auto")  # bubbles: grey
-    if table:  # forwards in one palette, backwards in another
+    if picture["table"]:  # forwards in one palette, backwards in another
         for rows, cmap in ((slice(0, None, 2), "viridis"), (slice(1, None, 2), "plasma")):
             shown = np.full(grid.shape, BUBBLE)
             shown[rows] = grid[rows]
             ax.imshow(np.ma.masked_equal(shown, BUBBLE), cmap=cmap, aspect="auto", interpolation="nearest")
-        labels = [f"{s} {part}" for s in range(schedule.stages) for part in ("F", "B")]
+        labels = [f"{s} {part}" for s in range(picture["stages"]) for part in ("F", "B")]
         ax.set(xlabel="step", ylabel="stage: forward (F), backward (B)", yticks=range(len(labels)), yticklabels=labels)
     else:
         ax.imshow(np.ma.masked_equal(grid, BUBBLE), cmap="viridis", aspect="auto", interpolation="nearest")
-        ax.set(xlabel="iteration", ylabel="stage", yticks=range(schedule.stages))
+        ax.set(xlabel="iteration", ylabel="stage", yticks=range(picture["stages"]))
+    for (row, column), micro in np.ndenumerate(grid):
+        if micro != BUBBLE:
+            ax.text(column, row, str(micro), ha="center", va="center", fontsize=6, color="white")
     ax.set_title(
-        f"pipeline {schedule.kind}: {schedule.stages} stages × {schedule.repeats} chunks, "
-        f"{schedule.microbatches} microbatches; bubble (grey) {schedule.bubble:.1%}"
+        f"pipeline {picture['kind']}: {picture['stages']} stages × {picture['repeats']} chunks, "
+        f"{picture['microbatches']} microbatches; bubble (grey) {picture['bubble']:.1%}"
     )
+
+
+def draw_memory(ax, planned: dict[str, float], title: str = "memory per device, by component") -> None:
+    """`planned` (the planner's bytes by component) as one stacked bar, with each GPU's budget."""
+    bottom = 0.0
+    for name, n in planned.items():
+        if name != "total" and "host" not in name:
+            ax.bar(0, n / GiB, bottom=bottom, label=name)
+            bottom += n / GiB
+    budgets = {}  # GiB after headroom → the devices with about that much memory
+    for name, accelerator in ACCELERATORS.items():
+        budgets.setdefault(round(accelerator.memory * (1 - HEADROOM) / GiB), []).append(name)
+    for budget, names in budgets.items():
+        ax.axhline(budget, linestyle="--", linewidth=1, color="gray")
+        ax.annotate(f"{', '.join(names)} less {HEADROOM:.0%}", (-0.38, budget), fontsize=7, va="bottom")
+    ax.set(xticks=[], ylabel="GiB per device", title=title)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.02))
 
 
 def plot(cfg: RunConfig, path: str) -> None:
@@ -64,24 +90,12 @@ def plot(cfg: RunConfig, path: str) -> None:
     except ImportError as e:
         raise SystemExit("--plot needs matplotlib: pip install -e '.[plot]'") from e
     fig, (mem_ax, pipe_ax) = plt.subplots(1, 2, figsize=(15, 6), gridspec_kw={"width_ratios": [1, 3]})
-    planned = {k: v for k, v in memory(cfg).items() if k != "total" and "host" not in k}
-    bottom = 0.0
-    for name, n in planned.items():
-        mem_ax.bar(0, n / GiB, bottom=bottom, label=name)
-        bottom += n / GiB
-    budgets = {}  # GiB after headroom → the devices with about that much memory
-    for name, accelerator in ACCELERATORS.items():
-        budgets.setdefault(round(accelerator.memory * (1 - HEADROOM) / GiB), []).append(name)
-    for budget, names in budgets.items():
-        mem_ax.axhline(budget, linestyle="--", linewidth=1, color="gray")
-        mem_ax.annotate(f"{', '.join(names)} less {HEADROOM:.0%}", (-0.38, budget), fontsize=7, va="bottom")
-    mem_ax.set(xticks=[], ylabel="GiB per device", title="memory per device, by component")
-    mem_ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.02))
+    draw_memory(mem_ax, memory(cfg))
     if (schedule := cfg.parallel.pipeline) is None:
         pipe_ax.text(0.5, 0.5, "no pipeline (parallel.stage = 1)", ha="center", va="center")
         pipe_ax.set_axis_off()
     else:
-        _draw_schedule(pipe_ax, schedule)
+        draw_schedule(pipe_ax, schedule_picture(schedule))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

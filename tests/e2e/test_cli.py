@@ -76,3 +76,12 @@ def test_serving_a_run_that_does_not_exist_says_so_and_creates_nothing(flag, tmp
     assert done.returncode != 0
     assert f"{missing} does not exist: no such run or export; pass the --workdir of a training run" in done.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_serving_imports_nothing_of_training():
+    """(optax still loads: flax.nnx imports it for its own TrainState.)"""
+    probe = "import sys, jaxllm.serve.__main__; print(sorted(m for m in sys.modules if m.startswith('jaxllm.train')))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+

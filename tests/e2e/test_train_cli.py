@@ -114,3 +114,22 @@ def test_cli_reports_config_errors_clearly(tmp_path):
     proc = run(train_command(tmp_path / "gpu_only", "--config.model.attention=cudnn"), check=False)
     assert proc.returncode != 0
     assert "error: model.attention='cudnn' is a GPU kernel" in proc.stderr and "'cpu'" in proc.stderr
+
+
+def test_pipeline_training_losses_match_no_pipeline(tmp_path):
+    """The CLI's metrics.jsonl losses with a pipeline equal those without it."""
+    layouts = {
+        "plain": ["--config.parallel.data=8"],
+        "pipeline": ["--config.parallel.data=2", "--config.parallel.stage=4", "--config.parallel.microbatches=4"],
+    }
+    runs = {}
+    for name, layout in layouts.items():
+        shape = ["--config.model.num_layers=8", "--config.model.qkv_share_every=2", "--config.train.log_every=4",
+                 "--config.data.eval_every=4"]  # fmt: skip
+        run(train_command(tmp_path / name, *shape, *layout))
+        runs[name] = metrics(tmp_path / name)
+    assert [m["step"] for m in runs["pipeline"]] == [4, 8, 12]
+    np.testing.assert_allclose([m["loss"] for m in runs["pipeline"]], [m["loss"] for m in runs["plain"]], rtol=1e-5)
+    assert all(m["bubble"] == pytest.approx(3 / 7) for m in runs["pipeline"])
+
+

@@ -7,20 +7,25 @@ client; fine-tuning's config and its initial state on a pipeline mesh. With the 
 import json
 import pathlib
 import shutil
-import subprocess
-import sys
 
 import jax
 import numpy as np
-import openai
 import pytest
 import safetensors.numpy
 import tokenizers
 from flax import nnx
 from support.hf import hf_extra
-from support.numpy_llama import greedy, logits
-from support.runs import ROOT, device_env, small_config
-from support.serving import serve_process
+from support.llama_files import (
+    BASE,
+    CHAT,
+    GQA_LLAMA3,
+    MHA_TIED_BF16,
+    bpe_tokenizer,
+    hand_built,
+    with_tokenizer,
+)
+from support.numpy_llama import logits
+from support.runs import small_config
 
 from jaxllm.checkpoint import load_params, write_export
 from jaxllm.checkpoint.hf.config import ConversionError, check_llama, fine_tuning_config
@@ -28,7 +33,7 @@ from jaxllm.checkpoint.layout import to_canonical
 from jaxllm.config import ParallelConfig, RunConfig, validate
 from jaxllm.convert import from_hf, to_hf
 from jaxllm.data.chat import ChatTemplate
-from jaxllm.data.tokenizer import TokenizerError, get_tokenizer, save_tokenizer, train_bpe
+from jaxllm.data.tokenizer import TokenizerError, get_tokenizer, save_tokenizer
 from jaxllm.model.decoder import Decoder, Model
 from jaxllm.model.generate import generate
 from jaxllm.model.lora import adapter_mask, combine, partition
@@ -37,80 +42,6 @@ from jaxllm.parallel.mesh import make_mesh
 from jaxllm.train.dry_run import lower_abstract_step
 from jaxllm.train.run import build_run
 from jaxllm.train.step import compile_eval_step, init_state
-
-BASE = dict(hidden=48, heads=4, kv=2, head_dim=16, layers=2, mlp=96, vocab=300)
-# Wavelengths 2π/θ^(-2i/16) of 6.3, 24, 94, ... positions: with an original context of 64 the first
-# pair is kept (< 64/4), the second ramps, the rest are divided by the factor.
-GQA_LLAMA3 = dict(tied=False, theta=50000.0, dtype="float32", shards=3,
-                  rope={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                        "original_max_position_embeddings": 64})  # fmt: skip
-# transformers 5 writes θ and the scaling together, as rope_parameters.
-MHA_TIED_BF16 = dict(kv=4, tied=True, theta=10000.0, dtype="bfloat16", shards=1,
-                     rope={"rope_type": "linear", "factor": 2.0}, rope_parameters=True)  # fmt: skip
-
-
-def llama_config(hidden, heads, kv, head_dim, layers, mlp, vocab, tied, theta, rope, dtype, rope_parameters=False):
-    """A Llama config.json as transformers 4 writes it, or 5 (`rope_parameters`)."""
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-        "intermediate_size": mlp, "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": kv, "head_dim": head_dim, "hidden_act": "silu", "rms_norm_eps": 1e-5,
-        "rope_theta": theta, "rope_scaling": rope, "max_position_embeddings": 64, "vocab_size": vocab,
-        "tie_word_embeddings": tied, "torch_dtype": dtype, "bos_token_id": 0, "eos_token_id": 0,
-    }  # fmt: skip
-    if rope_parameters:
-        config["rope_parameters"] = {"rope_type": "default", **(config.pop("rope_scaling") or {}),
-                                     "rope_theta": config.pop("rope_theta")}  # fmt: skip
-    return config
-
-
-def llama_tensors(config: dict, dtype: str, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random weights under Llama's names, [out, in] matrices, norms near 1."""
-    h, m, heads, kv = (config[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
-                                           "num_key_value_heads"))  # fmt: skip
-    hd, vocab, rng = config["head_dim"], config["vocab_size"], np.random.default_rng(seed)
-    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                   p + "self_attn.q_proj.weight": (heads * hd, h), p + "self_attn.k_proj.weight": (kv * hd, h),
-                   p + "self_attn.v_proj.weight": (kv * hd, h), p + "self_attn.o_proj.weight": (h, heads * hd),
-                   p + "mlp.gate_proj.weight": (m, h), p + "mlp.up_proj.weight": (m, h),
-                   p + "mlp.down_proj.weight": (h, m)}  # fmt: skip
-    if not config["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (vocab, h)
-    return {
-        name: ((1 + 0.1 * rng.standard_normal(shape)) if "norm" in name else 0.2 * rng.standard_normal(shape))
-        .astype(np.float32)
-        .astype(dtype)
-        for name, shape in shapes.items()
-    }
-
-
-def write_llama(directory: pathlib.Path, config: dict, tensors: dict, shards: int) -> None:
-    """config.json and the weights in `shards` files (with the index past one), by the safetensors library."""
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config))
-    names = sorted(tensors)
-    if shards == 1:
-        safetensors.numpy.save_file(tensors, directory / "model.safetensors")
-        return
-    weight_map = {}
-    for i in range(shards):
-        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        part = {n: tensors[n] for n in names[i::shards]}
-        safetensors.numpy.save_file(part, directory / file)
-        weight_map |= dict.fromkeys(part, file)
-    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-
-
-def hand_built(directory: pathlib.Path, **overrides) -> tuple[dict, dict]:
-    spec = {**BASE, **GQA_LLAMA3, **overrides}
-    shards = spec.pop("shards")
-    config = llama_config(**spec)
-    tensors = llama_tensors(config, spec["dtype"])
-    write_llama(directory, config, tensors, shards)
-    return config, tensors
 
 
 def our_logits(path, tokens, mesh=None) -> np.ndarray:
@@ -165,12 +96,6 @@ def own_export(directory: pathlib.Path, **model) -> RunConfig:
     return cfg
 
 
-def bpe_tokenizer(directory: pathlib.Path) -> pathlib.Path:
-    path = directory / "bpe" / "tokenizer.json"
-    if not path.exists():
-        text = (ROOT / "README.md").read_text().split("\n\n")
-        train_bpe(iter(text), 257, path.parent)
-    return path
 
 
 def test_export_then_import_is_bit_exact_and_drops_the_vocab_padding(tmp_path):
@@ -290,58 +215,12 @@ def test_a_missing_or_corrupt_shard_is_named(tmp_path):
         load_params(tmp_path / "hf")
 
 
-def peak_memory(*arguments) -> int:
-    """The peak resident bytes of `python -m jaxllm.convert ARGUMENTS`, the only child of a fresh process."""
-    script = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
-              "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")  # fmt: skip
-    command = [sys.executable, "-c", script, sys.executable, "-m", "jaxllm.convert", *map(str, arguments)]
-    done = subprocess.run(command, env=device_env(1), capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
-    return int(done.stdout.split()[-1]) * 1024
 
 
-def test_conversion_streams_within_one_and_a_half_times_the_model(tmp_path):
-    """~200 MB of fp32 weights each way. What the conversion's peak memory grows by over the same
-    conversion of a tiny model (the interpreter, JAX, Orbax) must stay within 1.5× the model."""
-    config = llama_config(hidden=512, heads=8, kv=4, head_dim=64, layers=13, mlp=1536, vocab=8000, tied=False,
-                          theta=10000.0, rope=None, dtype="float32")  # fmt: skip
-    tensors = llama_tensors(config, "float32")
-    size = sum(t.nbytes for t in tensors.values())
-    write_llama(tmp_path / "big", config, tensors, shards=2)
-    del tensors
-    hand_built(tmp_path / "tiny")
-    assert 180e6 < size < 220e6, size
-    growth = {}
-    for model in ("tiny", "big"):
-        from_hf = peak_memory("from-hf", "--hf", tmp_path / model, "--out", tmp_path / f"{model}-export")
-        to_hf = peak_memory("to-hf", "--checkpoint", tmp_path / f"{model}-export", "--out", tmp_path / f"{model}-hf",
-                            "--tokenizer", "gpt2", "--max-shard-size", "1GB")  # fmt: skip
-        growth = {"from-hf": from_hf - growth.get("from-hf", 0), "to-hf": to_hf - growth.get("to-hf", 0)}
-    ratios = {k: v / size for k, v in growth.items()}
-    print(f"peak memory growth over the model's {size / 1e6:.0f} MB: {ratios}")  # shown with -s
-    # to-hf holds one parameter at a time (measured 0.74–0.76×: a whole file buffered would pass 1.0×)
-    assert ratios["from-hf"] <= 1.5 and ratios["to-hf"] <= 1.0, ratios
-    assert (tmp_path / "big-hf" / "model.safetensors").stat().st_size > size  # the whole model, in one file
 
 
-CHAT = "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
 
 
-def with_tokenizer(directory: pathlib.Path) -> None:
-    """A real BPE's tokenizer.json beside the weights, with the tokenizer_config.json (bos, eos,
-    chat template) and generation_config.json (a second stop token) a Llama ships."""
-    tokenizer = get_tokenizer(bpe_tokenizer(directory.parent))
-    tokenizer.save(directory)
-    tok = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))  # Llama's: bos before every text
-    bos = tok.token_to_id("<|pad|>")
-    tok.post_processor = tokenizers.processors.TemplateProcessing(
-        single="<|pad|> $A", special_tokens=[("<|pad|>", bos)]
-    )
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|pad|>", "eos_token": {"__type": "AddedToken", "content": "<|endoftext|>", "special": True},
-         "chat_template": CHAT}))  # fmt: skip
-    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [tokenizer.eos_id, 7]}))
 
 
 def test_a_models_tokenizer_files_give_its_special_tokens_stops_and_chat_template(tmp_path):
@@ -401,27 +280,6 @@ def test_a_models_own_chat_template_renders_as_transformers_renders_it(tmp_path)
     assert ChatTemplate.chosen(None, own, {}).render(messages) == "  user: a\n  assistant: b\n"
 
 
-def test_serve_hf_answers_through_the_openai_api(tmp_path):
-    """`serve --hf DIR`: a greedy completion is the numpy Llama's greedy continuation, and a chat
-    is rendered by the model's own template."""
-    vocab = get_tokenizer(bpe_tokenizer(tmp_path)).vocab_size  # the server draws no id past the tokenizer's
-    config, tensors = hand_built(tmp_path / "hf", vocab=vocab)
-    with_tokenizer(tmp_path / "hf")
-    tokenizer, prompt = get_tokenizer(tmp_path / "hf"), "Bring a Llama"
-    flags = ["--config.serve.dtype=float32", "--config.serve.max_len=48", "--config.serve.slots=2"]
-    with serve_process(["--hf", tmp_path / "hf"], tmp_path / "server.log", *flags) as (port, _):
-        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-        done = sdk.completions.create(model="hf", prompt=prompt, max_tokens=8, temperature=0,
-                                      extra_body={"ignore_eos": True})  # fmt: skip
-        chat = sdk.chat.completions.create(model="hf", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                           temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
-    prompt_ids = [tokenizer.bos_id, *tokenizer.encode(prompt)]  # as its tokenizer.json starts a text
-    want = greedy(tensors, config, prompt_ids, 8)
-    assert done.choices[0].text == tokenizer.decode(want) and done.usage.completion_tokens == 8
-    assert done.usage.prompt_tokens == len(prompt_ids)
-    rendered = tokenizer.encode("<|pad|><user>Hi\n<assistant>")
-    assert chat.usage.prompt_tokens == len(rendered)
-    assert chat.choices[0].message.content == tokenizer.decode(greedy(tensors, config, rendered, 4))
 
 
 def test_fine_tuning_config_takes_the_architecture_and_refuses_a_conflicting_override(tmp_path):

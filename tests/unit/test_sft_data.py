@@ -170,7 +170,7 @@ def test_malformed_records_name_the_file_line_and_field(tmp_path, bpe):
 def pairs(bpe, tmp_path_factory):
     root = tmp_path_factory.mktemp("pairs")
     _write_jsonl(root / "pairs.jsonl", PAIRS)
-    prepare([str(root / "pairs.jsonl")], bpe.name, root / "out", 0.25, workers=2, progress=False,
+    prepare([str(root / "pairs.jsonl")], bpe.name, root / "out", 0.25, workers=1, progress=False,
             data_format="prompt_completion")  # fmt: skip
     return root / "out"
 
@@ -262,7 +262,7 @@ def _thirds(out: pathlib.Path, suffix: str, dtype) -> list[np.ndarray]:
 def chat_tables(bpe, tmp_path_factory):
     root = tmp_path_factory.mktemp("chat_tables")
     _tables(root, CHATS)
-    prepare([str(root / "a.jsonl"), str(root / "b.*"), str(root / "c_*")], bpe.name, root / "out", 0.0, workers=2,
+    prepare([str(root / "a.jsonl"), str(root / "b.*"), str(root / "c_*")], bpe.name, root / "out", 0.0, workers=1,
             progress=False, data_format="chat")  # fmt: skip
     return root / "out"
 
@@ -283,7 +283,7 @@ def test_parquet_and_a_saved_dataset_prepare_as_jsonl_does(chat_tables, bpe, tmp
 
     texts = [{"body": f"document {i}: " + "words " * i, "other": i} for i in range(10)]
     _tables(tmp_path, texts)
-    prepare([str(tmp_path / "*")], bpe.name, tmp_path / "out", 0.0, workers=2, progress=False, text_field="body")
+    prepare([str(tmp_path / "*")], bpe.name, tmp_path / "out", 0.0, workers=1, progress=False, text_field="body")
     jsonl, parquet, dataset = _thirds(tmp_path / "out", ".bin", read_meta(tmp_path / "out")["dtype"])
     assert jsonl.tolist() == [t for r in texts for t in bpe.encode(r["body"]) + [bpe.eos_id]]
     np.testing.assert_array_equal(jsonl, parquet)
