@@ -50,7 +50,7 @@ def _mesh_120b() -> dict:
 
 
 def _draw_mesh(data: dict, fig) -> tuple[float, float]:
-    split = [i for i, (axis, size) in enumerate(data["axes"].items()) if size > 1]
+    split = [i for i, size in enumerate(data["axes"].values()) if size > 1]  # the axes the layout uses
     names = list(data["axes"])
     coords, per_node = np.asarray(data["coords"]), data["per_node"]
     nodes = len(coords) // per_node
@@ -150,11 +150,11 @@ def write(directory: pathlib.Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     with matplotlib.rc_context({"svg.hashsalt": "jaxllm", "svg.fonttype": "none"}):
         for name, picture in PICTURES.items():
-            data = json.loads(json.dumps(picture.what()))  # drawn from what the digest is of
+            what = picture.what()
             fig = plt.figure()
-            fig.set_size_inches(*picture.draw(data, fig))
+            fig.set_size_inches(*picture.draw(json.loads(json.dumps(what)), fig))  # as a test reads it: plain JSON
             fig.tight_layout()
-            metadata = {"Date": None, "Description": f"jaxllm picture {digest(picture.what())}"}
+            metadata = {"Date": None, "Description": f"jaxllm picture {digest(what)}"}
             fig.savefig(directory / name, format="svg", metadata=metadata)
             plt.close(fig)
 
