@@ -10,7 +10,9 @@ Layout of the output directory (raw little-endian arrays that `np.memmap` opens 
 - `{split}.docs`: the key of every document in that split (file, file:line, or file:row N);
 - `meta.json`: the data format, tokenizer identity and hash, dtype, shard token counts, document
   counts, and the inputs it was made from. Running it again on unchanged inputs does nothing.
-Documents go to `val` by a hash of their key, so the split is stable and disjoint by document.
+Documents go to `val` by a hash of their key below the inputs' common directory, so the split is
+stable, disjoint by document, and the same wherever the corpus lies (another mount, another
+workdir).
 """
 
 from __future__ import annotations
@@ -179,12 +181,13 @@ def prepare(
     tmp.mkdir(parents=True)
     writers = {split: _ShardWriter(tmp, split, dtype, data_format != "text") for split in SPLITS}
     units = [unit for f in files for unit in work_units(f)]
+    corpus = os.path.commonpath([f.parent for f in files])
     workers = min(workers or min(8, os.cpu_count() or 1), len(units))
     try:
         with tqdm(total=len(units), unit="part", desc="tokenize", disable=not progress) as bar:
             for docs in _tokenized(units, workers, (tokenizer_spec, data_format, text_field, template)):
                 for key, ids, mask in docs:
-                    writers[split_of(key, val_fraction)].add(key, ids, mask)
+                    writers[split_of(os.path.relpath(key, corpus), val_fraction)].add(key, ids, mask)
                 bar.update()
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

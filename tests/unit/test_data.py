@@ -153,6 +153,18 @@ def test_prepare_counts_splits_and_is_idempotent(corpus, bpe, prepared):
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
 
 
+def test_the_split_is_the_same_wherever_the_corpus_lies(corpus, bpe, prepared, tmp_path):
+    """The same files under another directory (another mount, another workdir) give the same
+    documents to each split, and the same tokens."""
+    out, meta = prepared
+    moved = shutil.copytree(corpus, tmp_path / "elsewhere" / "corpus")
+    again = prepare([str(moved / "*")], bpe.name, tmp_path / "out", val_fraction=0.3, workers=1, progress=False)
+    for split in ("train", "val"):
+        keys = [(tmp_path / "out" / f"{split}.docs").read_text().split(), (out / f"{split}.docs").read_text().split()]
+        assert [k.replace(str(moved), "") for k in keys[0]] == [k.replace(str(corpus), "") for k in keys[1]]
+        assert again["splits"][split]["tokens"] == meta["splits"][split]["tokens"]
+
+
 def test_loader_is_deterministic_and_resumes_bit_identically(prepared, bpe):
     out, _ = prepared
 
