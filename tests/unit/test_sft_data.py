@@ -346,7 +346,7 @@ def test_the_chat_mask_is_transformers_assistant_mask(llama3):
 def test_a_dataset_saved_by_datasets_prepares_as_jsonl_does(bpe, tmp_path):
     _write_jsonl(tmp_path / "a.jsonl", CHATS)
     datasets.Dataset.from_list(CHATS).save_to_disk(str(tmp_path / "b_saved"))
-    prepare([str(tmp_path / "*")], bpe.name, tmp_path / "out", 0.0, 2, False, data_format="chat")
+    prepare([str(tmp_path / "*")], bpe.name, tmp_path / "out", 0.0, 1, False, data_format="chat")
     lens = np.fromfile(tmp_path / "out" / "train-00000.lens", np.int32)
     assert len(lens) == 2 * len(CHATS)
     np.testing.assert_array_equal(lens[: len(CHATS)], lens[len(CHATS) :])
