@@ -29,7 +29,12 @@ pytestmark = [
 ]
 
 
-class _Quiet(http.server.SimpleHTTPRequestHandler):
+class _Files(http.server.SimpleHTTPRequestHandler):
+    """Files only: a directory without its index.html is a missing page, not a listing."""
+
+    def list_directory(self, path):
+        self.send_error(404, "no index.html here")
+
     def log_message(self, *args):
         pass
 
@@ -41,7 +46,7 @@ def site(tmp_path_factory):
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(built)], cwd=ROOT,
                           capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(built)))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Files, directory=str(built)))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_port}/", built
     server.shutdown()
