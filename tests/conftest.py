@@ -4,16 +4,20 @@ their arithmetic, not by which ops the CPU compiler happened to fuse in fp32."""
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_allow_excess_precision=false"
-)
+# Added once: pytest-xdist's workers inherit the flags the controller set, and flags written twice
+# would give the compilation cache's keys another spelling than a run without workers.
+_flags = os.environ.get("XLA_FLAGS", "").split()
+_wanted = ("--xla_force_host_platform_device_count=8", "--xla_allow_excess_precision=false")
+os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in _wanted if f not in _flags])
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from support.runs import small_config, stdlib_glob  # noqa: E402
 
+# Every executable is kept, the smallest too: the suite compiles thousands of eager ops and small
+# jits at ~0.1 s each, which read back from disk in a few milliseconds.
 jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxllm-tests-xla"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 @pytest.fixture

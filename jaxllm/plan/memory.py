@@ -38,14 +38,19 @@ def _itemsize(dtype, norms_in_fp32: bool = False) -> Callable[[ParamSpec], int]:
 
 def _per_device_bytes(specs, rules, mesh: jax.sharding.AbstractMesh, itemsize, *, fit: bool = False) -> int:
     """Bytes one device holds of `specs` laid out by `rules` (see `logical_spec` for `fit`)."""
+    rules = tuple(rules.items())
+    return sum(_elements_per_device(s.shape, s.axes, rules, mesh, fit) * itemsize(s)
+               for s in jax.tree.leaves(specs, is_leaf=is_spec))  # fmt: skip
 
-    def one(spec):
-        pspec = tuple(logical_spec(spec.axes, rules, spec.shape if fit else None, mesh if fit else None))
-        entries = pspec + (None,) * (len(spec.shape) - len(pspec))
-        splits = [math.prod(mesh.shape[a] for a in as_tuple(e)) for e in entries]
-        return math.prod(-(-d // n) for d, n in zip(spec.shape, splits, strict=True)) * itemsize(spec)
 
-    return sum(jax.tree.leaves(jax.tree.map(one, specs, is_leaf=is_spec)))
+@functools.cache
+def _elements_per_device(shape, axes, rules, mesh: jax.sharding.AbstractMesh, fit: bool) -> int:
+    """One parameter's elements on one device; kept, as the planner's search asks the same of
+    thousands of layouts."""
+    pspec = tuple(logical_spec(axes, dict(rules), shape if fit else None, mesh if fit else None))
+    entries = pspec + (None,) * (len(shape) - len(pspec))
+    splits = [math.prod(mesh.shape[a] for a in as_tuple(e)) for e in entries]
+    return math.prod(-(-d // n) for d, n in zip(shape, splits, strict=True))
 
 
 def _stash_per_token(model: ModelConfig, seq: int, tensor: int, sp: bool) -> tuple[dict, float]:

@@ -225,8 +225,6 @@ def test_the_architecture_page_lists_the_import_contracts_layers():
     assert listed.splitlines() == layers, "copy the layers of pyproject.toml's [tool.importlinter] contract"
 
 
-
-
 def test_the_cluster_page_sizes_a_120b_checkpoint_as_the_planner_counts_it():
     """fp32 params and Adam's two fp32 moments: 12 bytes a parameter, per save, split over 8 hosts."""
     from jaxllm import plan

@@ -467,8 +467,6 @@ def test_requests_beyond_the_limits_are_refused_with_the_limit(engines):
     assert not engine.busy()  # nothing refused was queued
 
 
-
-
 def test_a_constrained_request_draws_the_models_best_allowed_token_beside_free_ones(trained, engines):
     """On tensor 2: a greedy request under a regex, batched with free requests, draws at each step
     the token the full recompute ranks highest among those its grammar allows; the free requests

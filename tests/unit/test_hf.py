@@ -96,8 +96,6 @@ def own_export(directory: pathlib.Path, **model) -> RunConfig:
     return cfg
 
 
-
-
 def test_export_then_import_is_bit_exact_and_drops_the_vocab_padding(tmp_path):
     cfg = own_export(tmp_path / "export")
     to_hf(tmp_path / "export", tmp_path / "hf", max_shard_bytes=100_000)
@@ -215,14 +213,6 @@ def test_a_missing_or_corrupt_shard_is_named(tmp_path):
         load_params(tmp_path / "hf")
 
 
-
-
-
-
-
-
-
-
 def test_a_models_tokenizer_files_give_its_special_tokens_stops_and_chat_template(tmp_path):
     hand_built(tmp_path / "hf")
     with_tokenizer(tmp_path / "hf")
@@ -278,8 +268,6 @@ def test_a_models_own_chat_template_renders_as_transformers_renders_it(tmp_path)
     assert own == OWN_TEMPLATE
     messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     assert ChatTemplate.chosen(None, own, {}).render(messages) == "  user: a\n  assistant: b\n"
-
-
 
 
 def test_fine_tuning_config_takes_the_architecture_and_refuses_a_conflicting_override(tmp_path):

@@ -73,8 +73,6 @@ def test_planned_buffers_of_a_timetable_follow_the_compiler(kind, repeats):
     assert 0.8 < (planned_4x - planned) / (peak_4x - peak) < 1.2
 
 
-
-
 @pytest.mark.parametrize("path", ["configs/1b.py", "configs/8b.py"])
 def test_single_node_configs_fit_8_gpus_with_headroom(path):
     """As the dry run compiles them (hoisting off, see dry_run.py): peak ≤ 67 GiB, and the planner

@@ -288,8 +288,6 @@ def test_bf16_training_under_tensor_and_sequence_parallelism_tracks_fp32(layout)
     assert_leaves_within(updates(bf16_params, init), updates(params, init), bound, "params after two steps")
 
 
-
-
 @pytest.mark.parametrize(
     "layout",
     [

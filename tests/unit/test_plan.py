@@ -103,8 +103,6 @@ def test_decode_limit_reads_the_real_weights_and_cache_once(weights, kv):
     assert plan.decode_limit(cfg.model, 3, 40, 1e12, weights, kv_name) == pytest.approx(3 * 1e12 / read)
 
 
-
-
 @pytest.mark.parametrize("kind, stages, repeats, microbatches", [("1f1b", 4, 1, 8), ("interleaved_1f1b", 2, 2, 4)])
 def test_pictured_timetable_forwards_and_back_propagates_each_microbatch(kind, stages, repeats, microbatches):
     """The picture of a timetable: each stage's forward row and backward row hold every microbatch
@@ -147,8 +145,6 @@ def test_estimate_moves_with_the_hardware_and_the_layout():
     assert estimate(fp8, ACCELERATORS["a100-80gb"]).compute == pytest.approx(a100.compute)
 
 
-
-
 @pytest.mark.parametrize("kind, row", [
     ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
     ("NVIDIA H100 80GB HBM3", "h100-80gb"), ("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA H200", "h200"), ("cpu", None),
@@ -177,18 +173,8 @@ def test_at_2048_a100s_the_120b_pipelines_again_as_the_pipeline_page_says():
     assert quoted == [round(best[k].estimate.step, 1) for k in ("none", "gpipe", "circular")]
 
 
-
-
-
-
-
-
 def test_docs_scale_page_is_what_the_planner_prints_today():
     assert (ROOT / "docs" / "scale.md").read_text() == page(), "run: python -m jaxllm.plan.scale_doc > docs/scale.md"
-
-
-
-
 
 
 def test_benchmarks_page_quotes_the_planners_mfu_for_the_gpu_check_step():

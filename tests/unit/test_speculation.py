@@ -23,8 +23,10 @@ from jaxllm.serve.scheduler import State
 from jaxllm.serve.settings import ServeConfig
 from jaxllm.serve.speculation import lookup
 
+# Pages of 4 tokens: drafts often cross into a page. Every test shares these settings, so that the
+# engines the module builds (each compiles every step) serve several tests.
 SERVE = {"serve.slots": 4, "model.max_seq_len": 256, "serve.max_len": 160, "serve.prefill_chunk": 32,
-         "serve.dtype": "float32"}  # fmt: skip
+         "serve.dtype": "float32", "serve.page_size": 4}  # fmt: skip
 NGRAM = {"serve.speculative": "ngram", "serve.draft_tokens": 3, "serve.ngram_min": 1}
 
 
@@ -48,6 +50,7 @@ def engines(trained):
     built = {}
 
     def get(**settings):
+        settings = {"serve.tensor": 1, **settings}
         key = tuple(sorted(settings.items()))
         if key not in built:
             built[key] = load_engine(trained[0], {**SERVE, **settings})
@@ -80,9 +83,8 @@ def _same(plain, speculative):
 @pytest.mark.parametrize("tensor,proposer", [(1, "ngram"), (2, "ngram"), (1, "itself"), (2, "small draft")])
 def test_greedy_speculation_is_greedy_decoding_token_for_token(trained, engines, small_draft, tensor, proposer):
     tokenizer = trained[2]
-    small_pages = {"serve.tensor": tensor, "serve.page_size": 4}  # drafts often cross into a page
     speculating = {"ngram": NGRAM, "itself": _draft(trained[0]), "small draft": _draft(small_draft)}[proposer]
-    plain, speculative = engines(**small_pages), engines(**small_pages, **speculating)
+    plain, speculative = engines(**{"serve.tensor": tensor}), engines(**{"serve.tensor": tensor}, **speculating)
     drafted = speculative.draft_tokens
     requests = [Request(p, 48, temperature=0.0, ignore_eos=True, logprobs=3) for p in _prompts(tokenizer)]
     accepted = speculative.accepted_tokens
@@ -119,7 +121,7 @@ def test_preempted_speculating_sequences_resume_with_their_output(trained, engin
     prefill again (the draft model's cache too); greedy ones equal plain decoding, sampled ones
     their own output alone."""
     tokenizer = trained[2]
-    small = {"serve.kv_pages": 16, "serve.max_len": 128}
+    small = {"serve.kv_pages": 64, "serve.max_len": 128}  # 256 tokens
     speculating = NGRAM if proposer == "ngram" else _draft(small_draft)
     plain, speculative = engines(**small), engines(**small, **speculating)
     prompts = _prompts(tokenizer)
