@@ -1,8 +1,8 @@
 """jaxllm's one logger: every module says what it does through `logging.getLogger(__name__)`, a
 child of the `jaxllm` logger, whose handler writes plain lines to stdout (warnings and errors
-prefixed `warning: ` and `error: `), above any progress bar (`tqdm.write`), from process 0 of a
-job only unless `--log-all-processes`, or as JSON lines (`--log-json`) for a log collector. A
-command's own result (a plan, a report, a generated page) is printed, not logged.
+prefixed `warning: ` and `error: `), above any progress bar (tqdm's external write mode), from
+process 0 of a job only unless `--log-all-processes`, or as JSON lines (`--log-json`) for a log
+collector. A command's own result (a plan, a report, a generated page) is printed, not logged.
 
 Before JAX's distributed start-up the process index comes from the launcher's environment
 (`JAX_PROCESS_ID`, `SLURM_PROCID`); after it, from JAX (`set_process`).
@@ -68,9 +68,14 @@ class _Stdout(logging.Handler):
         return (_settings["all_processes"] or process_index() == 0) and super().filter(record)
 
     def emit(self, record: logging.LogRecord) -> None:
+        # A record is one write of its whole line, after emptying the buffer: processes that share
+        # a pipe (a launch's workers) then cannot split each other's lines.
         try:
-            tqdm.write(self.format(record), file=sys.stdout)
-            sys.stdout.flush()
+            line = self.format(record) + "\n"
+            with tqdm.external_write_mode(file=sys.stdout):
+                sys.stdout.flush()
+                sys.stdout.write(line)
+                sys.stdout.flush()
         except Exception:  # logging's contract: report, never raise
             self.handleError(record)
 

@@ -58,6 +58,30 @@ def test_json_lines_name_time_level_process_and_logger(capsys, monkeypatch):
     assert record["message"] == 'a message\nover two lines, "quoted"'
 
 
+class _Writes:
+    """A stdout that keeps each write apart, as a pipe shared by processes sees them."""
+
+    def __init__(self):
+        self.writes = []
+
+    def write(self, text):
+        self.writes.append(text)
+
+    def flush(self):
+        pass
+
+
+def test_each_record_is_one_write_of_its_whole_line(monkeypatch):
+    """A launch's workers share one pipe: a record written in pieces can be split by another's."""
+    stdout = _Writes()
+    monkeypatch.setattr(sys, "stdout", stdout)
+    logs.configure(all_processes=True, json_lines=True)
+    log.info("x" * 10_000)
+    log.info("short")
+    assert [json.loads(w)["message"] for w in stdout.writes] == ["x" * 10_000, "short"]
+    assert all(w.endswith("\n") and w.count("\n") == 1 for w in stdout.writes)
+
+
 def test_a_line_logged_under_a_progress_bar_gets_a_line_of_its_own(capsys):
     bar = tqdm(total=3, file=sys.stdout, ascii=True, mininterval=0)
     bar.update(1)
