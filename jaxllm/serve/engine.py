@@ -10,8 +10,9 @@ in the step just read costs one discarded token in the step already dispatched. 
 sequence (a structured output) waits for its last token to be read before it decodes again, as
 its grammar's mask for the next token depends on it: it decodes every other step, and its mask
 is computed while the device runs the step between. A speculating sequence (`serve.speculative`)
-waits for its tokens too, as its next draft follows from them: each of its steps feeds its next
-token and the draft after it, and streams as many tokens as the model accepts, and one more.
+feeds its next token and a draft after it, and streams as many tokens as the model accepts, and
+one more; it waits for a verify step's tokens, as where it goes next follows from them, but
+proposes by prompt lookup after a plain step without waiting (see `_propose`).
 `serve_forever()` steps in a thread of its
 own while other threads (or an event loop) submit and read.
 
@@ -230,23 +231,27 @@ class Engine:
                 sequence.speculates = self.settings.speculative != "off" and not generation.matchers
 
     def _propose(self) -> None:
-        """A draft for each speculating sequence whose every token is read back (see
-        `speculation`; with a draft model, only its length), never past its max_tokens; one that
-        finds none backs off."""
+        """A draft for each speculating sequence (see `speculation`; with a draft model, only its
+        length), never past its max_tokens; one that finds none backs off. Prompt lookup does not
+        wait for the token of a plain step still on the device: it proposes that token too, as it
+        would any, and drafts the tokens after it. Verification keeps only the tokens the model
+        would draw, whatever was proposed, so a draft after a wrong guess costs only speed."""
         s = self.settings
         for sequence in self.scheduler.running:
             sequence.draft = []
-            synced = sequence.issued == len(sequence.output)
-            if sequence.speculates and sequence.state is State.DECODE and synced:
-                room = min(s.draft_tokens, sequence.generation.request.max_tokens - sequence.issued - 1)
-                if room <= 0 or sequence.issued < sequence.resume_at:
-                    continue
-                if s.speculative == "draft":
-                    sequence.draft = [0] * room  # how many: the draft model proposes them on the device
-                else:
-                    sequence.draft = lookup(sequence.prompt + sequence.output, room, s.ngram_max, s.ngram_min)
-                    if not sequence.draft:
-                        self._back_off(sequence)
+            unread = sequence.issued - len(sequence.output)  # more than one: a verify step is on its way
+            if not (sequence.speculates and sequence.state is State.DECODE and unread <= (s.speculative == "ngram")):
+                continue
+            room = min(s.draft_tokens, sequence.generation.request.max_tokens - sequence.issued - 1)
+            if room <= 0 or sequence.issued < sequence.resume_at:
+                continue
+            if s.speculative == "draft":
+                sequence.draft = [0] * room  # how many: the draft model proposes them on the device
+                continue
+            proposal = lookup(sequence.prompt + sequence.output, unread + room, s.ngram_max, s.ngram_min)
+            sequence.draft = proposal[unread:]
+            if not proposal:
+                self._back_off(sequence)
 
     @staticmethod
     def _back_off(sequence: Sequence) -> None:

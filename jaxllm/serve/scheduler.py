@@ -67,9 +67,11 @@ class Sequence:
     def wants_tokens(self) -> bool:
         """Decoding, short of max_tokens, and (if constrained, or speculating: its grammar's mask,
         or its draft, follows from its last token) with every token read back; a speculating
-        sequence that proposes nothing before `resume_at` runs ahead until then."""
+        sequence that proposes nothing before `resume_at` runs ahead until then, and one with a
+        draft proposed a token behind (see `engine`) does not wait for that token."""
         synced = self.issued == len(self.output)
-        ready = synced or not (self.generation.matchers or self.speculates) or self.issued < self.resume_at
+        ahead = self.speculates and (self.issued < self.resume_at or bool(self.draft))
+        ready = synced or not (self.generation.matchers or self.speculates) or ahead
         return self.state is State.DECODE and self.issued < self.generation.request.max_tokens and ready
 
 

@@ -115,6 +115,19 @@ def test_speculation_ends_at_stop_strings_as_plain_decoding_does(trained, engine
     assert speculative.generate(requests)[0].choices()[0].finish_reason == "stop"
 
 
+def test_prompt_lookup_waits_only_for_the_tokens_of_verify_steps(trained, engines):
+    """After a plain step a sequence proposes without waiting for that step's token, so the only
+    engine steps that dispatch no decode are a request's prefills, its last read, and one after
+    each verify step (its tokens say where the sequence goes on from)."""
+    engine = engines(**NGRAM)
+    for prompt in _prompts(trained[2]):  # repeating text, and random tokens between lookups that miss
+        verified, idle, prefills = engine.drafts, 0, -(-len(prompt) // SERVE["serve.prefill_chunk"])
+        engine.submit(Request(prompt, 48, temperature=0.0, ignore_eos=True))
+        while engine.busy():
+            idle += engine.step() == 0
+        assert 0 < engine.drafts - verified and idle <= engine.drafts - verified + prefills + 1
+
+
 @pytest.mark.parametrize("proposer", ["ngram", "small draft"])
 def test_preempted_speculating_sequences_resume_with_their_output(trained, engines, small_draft, proposer):
     """A pool too small for four growing requests: sequences are preempted mid-speculation and
