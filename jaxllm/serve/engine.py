@@ -12,7 +12,7 @@ its grammar's mask for the next token depends on it: it decodes every other step
 is computed while the device runs the step between. A speculating sequence (`serve.speculative`)
 feeds its next token and a draft after it, and streams as many tokens as the model accepts, and
 one more; it waits for a verify step's tokens, as where it goes next follows from them, but
-proposes by prompt lookup after a plain step without waiting (see `_propose`).
+proposes by prompt lookup after a plain step without waiting (see `speculation.propose`).
 `serve_forever()` steps in a thread of its
 own while other threads (or an event loop) submit and read.
 
@@ -45,7 +45,7 @@ from jaxllm.serve.guards import PerplexityAlarm
 from jaxllm.serve.pages import PagePool
 from jaxllm.serve.scheduler import Chunk, Scheduler, Sequence, State
 from jaxllm.serve.settings import ServeConfig
-from jaxllm.serve.speculation import lookup
+from jaxllm.serve.speculation import back_off, propose
 
 log = logging.getLogger("jaxllm.serve")
 
@@ -204,7 +204,8 @@ class Engine:
     def _step(self) -> int:
         self._take_incoming()
         self._drop_ended()
-        self._propose()
+        for sequence in self.scheduler.running:
+            propose(sequence, self.settings)
         plan = self.scheduler.plan()
         self._queued = len({s.generation for s in self.scheduler.waiting if s.issued == 0 and s.choice == 0})
         dispatched = []
@@ -229,37 +230,6 @@ class Engine:
             self._sequences[generation] = self.scheduler.add(generation, self.settings.prompt_nll)
             for sequence in self._sequences[generation]:  # a grammar's mask is for one token at a time
                 sequence.speculates = self.settings.speculative != "off" and not generation.matchers
-
-    def _propose(self) -> None:
-        """A draft for each speculating sequence (see `speculation`; with a draft model, only its
-        length), never past its max_tokens; one that finds none backs off. Prompt lookup does not
-        wait for the token of a plain step still on the device: it proposes that token too, as it
-        would any, and drafts the tokens after it. Verification keeps only the tokens the model
-        would draw, whatever was proposed, so a draft after a wrong guess costs only speed."""
-        s = self.settings
-        for sequence in self.scheduler.running:
-            sequence.draft = []
-            unread = sequence.issued - len(sequence.output)  # more than one: a verify step is on its way
-            if not (sequence.speculates and sequence.state is State.DECODE and unread <= (s.speculative == "ngram")):
-                continue
-            room = min(s.draft_tokens, sequence.generation.request.max_tokens - sequence.issued - 1)
-            if room <= 0 or sequence.issued < sequence.resume_at:
-                continue
-            if s.speculative == "draft":
-                sequence.draft = [0] * room  # how many: the draft model proposes them on the device
-                continue
-            proposal = lookup(sequence.prompt + sequence.output, unread + room, s.ngram_max, s.ngram_min)
-            sequence.draft = proposal[unread:]
-            if not proposal:
-                self._back_off(sequence)
-
-    @staticmethod
-    def _back_off(sequence: Sequence) -> None:
-        """After a proposal that found nothing or had nothing accepted: propose nothing for the
-        next 1, 2, 4, ... 32 tokens (misses in a row), decoding them without waiting for each to
-        be read, as text that does not repeat decodes at the pace it would without speculation."""
-        sequence.resume_at = sequence.issued + 2 ** min(sequence.misses, 5)
-        sequence.misses += 1
 
     def _drop_ended(self) -> None:
         """Requests whose client went away, or past their deadline, end and free their pages."""
@@ -353,7 +323,7 @@ class Engine:
         sequence.issued -= drafted - (len(ids) - 1)  # the rejected ones (a row may have later steps on their way)
         self.scheduler.trim(sequence)
         if drafted and len(ids) == 1:
-            self._back_off(sequence)
+            back_off(sequence)
         elif drafted:
             sequence.misses = 0
         return False
