@@ -18,10 +18,12 @@ def _file(process: int) -> pathlib.Path | None:
     return pathlib.Path(directory) / str(process) if directory else None
 
 
-def beat(step: int, process: int) -> None:
-    """This process is alive at `step` (nothing happens unless a launcher watches)."""
+def beat(step: int, process: int, slow: str = "") -> None:
+    """This process is alive at `step` (nothing happens unless a launcher watches). `slow` names the
+    work besides steps it starts now, which may compile (an evaluation, the last save and the
+    sample): the launcher then allows it the start-up timeout rather than a step's."""
     if path := _file(process):
-        path.write_text(f"{step} {time.time()}\n")
+        path.write_text(f"{step} {time.time()} {slow}".rstrip() + "\n")
 
 
 def stopped(outcome: str, step: int, process: int) -> None:
@@ -39,9 +41,17 @@ def outcome(directory: pathlib.Path, process: int) -> str | None:
     return word if word in (FINISHED, PREEMPTED) else None
 
 
-def silent_for(directory: pathlib.Path, process: int) -> float | None:
-    """Seconds since process `process` last beat, or None if it never has."""
+def overdue(
+    directory: pathlib.Path, process: int, started: float, step_timeout: float, startup_timeout: float
+) -> str | None:
+    """Why process `process` counts as hung, or None: silent for `step_timeout` seconds since its
+    last step, or for `startup_timeout` before its first step (since `started`) or in slow work it
+    announced."""
+    path = directory / str(process)
     try:
-        return time.time() - (directory / str(process)).stat().st_mtime
-    except OSError:
-        return None
+        last, said = path.stat().st_mtime, path.read_text().split()[2:]
+    except OSError:  # no beat yet
+        since = time.time() - started
+        return f"made no progress for {since:.0f} s since start (no step yet)" if since > startup_timeout else None
+    since, limit = time.time() - last, startup_timeout if said else step_timeout
+    return f"made no progress for {since:.0f} s since {' '.join(said) or 'its last step'}" if since > limit else None

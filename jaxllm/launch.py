@@ -7,7 +7,8 @@ allocation, one `srun` job step of all its tasks.
 Each process writes a heartbeat file after every step (`jaxllm.heartbeat`). The launcher ends the
 group and starts it again, with backoff, when any process exits with an error or makes no progress
 for `--heartbeat-timeout` seconds (`--startup-timeout` until its first step, which includes
-compilation and data preparation); training resumes from the last checkpoint. Locally, each process
+compilation and data preparation, and for an evaluation or the end of training, which may
+compile too); training resumes from the last checkpoint. Locally, each process
 gets the coordinator address, its process id and count; under SLURM, srun starts the tasks and JAX
 reads them from SLURM's environment, and a rerun is a new job step in the same allocation.
 
@@ -129,12 +130,9 @@ def run_group(
             for i in range(nproc):
                 if heartbeat.outcome(beats, i) is not None or (not slurm and codes[i] is not None):
                     continue  # stopping or stopped: no more beats to come
-                silent = heartbeat.silent_for(beats, i)
-                since, limit = (silent, heartbeat_timeout) if silent is not None else (time.time() - started,
-                                                                                     startup_timeout)  # fmt: skip
-                if since > limit and not _Shutdown.requested:
-                    what = "since its last step" if silent is not None else "since start (no step yet)"
-                    return f"process {i} made no progress for {since:.0f} s {what}: hung"
+                why = heartbeat.overdue(beats, i, started, heartbeat_timeout, startup_timeout)
+                if why and not _Shutdown.requested:
+                    return f"process {i} {why}: hung"
             time.sleep(0.5)
     finally:
         _stop(procs, slurm)
@@ -149,7 +147,8 @@ def main() -> None:
                         "every node shares (default: a temporary directory, fine for --nproc)")  # fmt: skip
     parser.add_argument("--max-restarts", type=int, default=3)
     parser.add_argument("--heartbeat-timeout", type=float, default=300.0, help="seconds without a step")
-    parser.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds until the first step")
+    parser.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds until the first step, and "
+                        "for each evaluation and the end of training (the last save and the sample)")
     parser.add_argument("--backoff", type=float, default=5.0, help="seconds before the first restart, doubling")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the training command")
     cli.add_logging(parser)

@@ -12,11 +12,11 @@ os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in _wanted if f not in _fla
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
-from support.runs import small_config, stdlib_glob  # noqa: E402
+from support.runs import XLA_CACHE, small_config, stdlib_glob  # noqa: E402
 
 # Every executable is kept, the smallest too: the suite compiles thousands of eager ops and small
 # jits at ~0.1 s each, which read back from disk in a few milliseconds.
-jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxllm-tests-xla"))
+jax.config.update("jax_compilation_cache_dir", str(XLA_CACHE))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 

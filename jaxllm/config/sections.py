@@ -324,6 +324,9 @@ class TrainConfig(Section):
     eps: float = field(1e-8, "Adam's epsilon")
     clip_norm: float = field(1.0, "gradients clipped to this global norm")
     log_every: int = field(10, "steps between logged metrics")
+    compile_cache: str | None = field(None, "JAX's persistent compilation cache, so a restarted or resumed run loads "
+                                            "its steps instead of compiling them (None: $JAX_COMPILATION_CACHE_DIR, "
+                                            "else WORKDIR/xla-cache; 'off': none)")  # fmt: skip
     profile_steps: str = field(
         "",
         "'A:B': trace steps A to B (inclusive) with jax.profiler into WORKDIR/profile/ and print a summary ('': off)",

@@ -1,5 +1,6 @@
-"""Multi-process start-up: one JAX process per host (or per GPU), found from the environment, and
-the checks that the processes of one job see the same files."""
+"""A process's start-up: one JAX process per host (or per GPU), found from the environment, the
+checks that the processes of one job see the same files, and the compilation cache that spares a
+restart its compiling."""
 
 from __future__ import annotations
 
@@ -83,3 +84,39 @@ def check_shared(directory: str | pathlib.Path, name: str) -> None:
             f"(this one is {jax.process_index()} on {socket.gethostname()}) cannot see what process 0 wrote there; "
             f"put {name} on storage that every node of the job mounts at the same path (a parallel file system or NFS)"
         )
+
+
+def use_compile_cache(setting: str | None, workdir: str | pathlib.Path | None) -> pathlib.Path | None:
+    """Points JAX's persistent compilation cache at `setting`'s directory (train.compile_cache,
+    serve.compile_cache; by default $JAX_COMPILATION_CACHE_DIR, else `workdir`/xla-cache, else
+    ~/.cache/jaxllm/xla-cache), keeping every executable however quick it compiles: a server
+    compiles a hundred small ones. A restart reads them back instead of compiling. None if 'off'."""
+    if setting == "off":
+        return None
+    default = pathlib.Path(workdir) / "xla-cache" if workdir else pathlib.Path.home() / ".cache/jaxllm/xla-cache"
+    directory = pathlib.Path(setting or os.environ.get("JAX_COMPILATION_CACHE_DIR") or default)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return directory
+
+
+class CacheCounts:
+    """While open: the programs read back from the compilation cache, and those compiled because it
+    did not hold them (JAX's monitoring events; programs the cache cannot keep count in neither)."""
+
+    HIT, MISS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"
+
+    def __init__(self) -> None:
+        self.read = self.compiled = 0
+
+    def _count(self, event: str, **_) -> None:
+        self.read += event == self.HIT
+        self.compiled += event == self.MISS
+
+    def __enter__(self) -> CacheCounts:
+        jax.monitoring.register_event_listener(self._count)
+        return self
+
+    def __exit__(self, *exc) -> None:  # a failed compile leaves no listener behind
+        jax.monitoring.unregister_event_listener(self._count)

@@ -18,11 +18,12 @@ from jaxllm.config import ConfigError, RunConfig, step_range
 from jaxllm.data.chat import ChatTemplate, special_tokens
 from jaxllm.data.tokenizer import prompt_ids
 from jaxllm.errors import exit_on_error
+from jaxllm.parallel.distributed import use_compile_cache
 from jaxllm.profile import StepProfiler
 from jaxllm.serve.api import create_app
 from jaxllm.serve.generation import Limits, Request
 from jaxllm.serve.guards import DenyList, load_api_keys
-from jaxllm.serve.load import serving_setup, start_engine, use_compile_cache
+from jaxllm.serve.load import serving_setup, start_engine
 from jaxllm.serve.metrics import Metrics
 from jaxllm.serve.server import Server
 from jaxllm.serve.settings import ServeConfig, Serving

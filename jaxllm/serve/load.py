@@ -6,7 +6,6 @@ serving dtype and read straight into the serving shardings."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import pathlib
 import time
 from typing import Any
@@ -79,21 +78,6 @@ def draft_config(model: ModelConfig, s: ServeConfig, tokenizer: Tokenizer) -> Mo
     )
     validate_tensor(model, s.tensor, "serve.tensor (the draft model's too)")
     return served_model(model, s)
-
-
-def use_compile_cache(setting: str | None, workdir: str | pathlib.Path | None) -> pathlib.Path | None:
-    """Points JAX's persistent compilation cache at serve.compile_cache's directory (by default
-    $JAX_COMPILATION_CACHE_DIR, else `workdir`/xla-cache for a run, else ~/.cache/jaxllm/xla-cache),
-    keeping every executable however quick it compiles: a server compiles a hundred small ones.
-    None if 'off'."""
-    if setting == "off":
-        return None
-    default = pathlib.Path(workdir) / "xla-cache" if workdir else pathlib.Path.home() / ".cache/jaxllm/xla-cache"
-    directory = pathlib.Path(setting or os.environ.get("JAX_COMPILATION_CACHE_DIR") or default)
-    jax.config.update("jax_compilation_cache_dir", str(directory))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return directory
 
 
 def start_engine(

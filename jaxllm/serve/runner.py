@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.model.cache import AXES, KVCache
 from jaxllm.model.decoder import Model
+from jaxllm.parallel.distributed import CacheCounts
 from jaxllm.parallel.rules import logical_spec
 from jaxllm.plan.hardware import accelerator_of
 from jaxllm.serve.batches import DecodeBatch, PrefillBatch, decode_batch, prefill_batch
@@ -51,7 +52,6 @@ def copy_bandwidth() -> float:
     return x.nbytes / best
 
 
-CACHE_HIT = "/jax/compilation_cache/cache_hits"
 Progress = Callable[[int, int], None]  # (steps compiled, steps in all)
 
 
@@ -136,14 +136,7 @@ class Runner:
             for rows in b.prefill_rows(chunk)
         ]
         total = len(decodes) + len(prefills)
-        hits = []  # executables read from the persistent compilation cache instead of compiled
-
-        def count_hit(event: str, **_) -> None:
-            if event == CACHE_HIT:
-                hits.append(event)
-
-        jax.monitoring.register_event_listener(count_hit)
-        try:
+        with CacheCounts() as programs:
             self.decode_steps, self.prefill_steps = {}, {}  # by (rows, pages, drafts) and (rows, chunk, pages)
             for rows, width, k in decodes:
                 batch = decode_batch([], {}, rows, width, slots, self.words, k)
@@ -154,9 +147,7 @@ class Runner:
                 compiled = prefill_step.lower(self.params, *state, batch, *drafter).compile()
                 self.prefill_steps[rows, chunk, width] = compiled
                 progress(len(self.decode_steps) + len(self.prefill_steps), total)
-        finally:  # a failed compile leaves no listener behind
-            jax.monitoring.unregister_event_listener(count_hit)
-        self.steps_cached = len(hits)
+        self.steps_cached = programs.read  # executables read from the persistent compilation cache
 
     def decode(self, batch: DecodeBatch) -> Pending:
         """Dispatches a compiled decode step (its bucket from the batch's shapes)."""

@@ -12,14 +12,16 @@ import sys
 import jax
 from absl import logging
 
-from jaxllm import cli
+from jaxllm import cli, logs
 from jaxllm.checkpoint.hf.config import fine_tuning_config
 from jaxllm.config import RunConfig, load_config
 from jaxllm.errors import exit_on_error
-from jaxllm.parallel.distributed import initialize_from_environment
+from jaxllm.parallel.distributed import CacheCounts, initialize_from_environment, use_compile_cache
 from jaxllm.train.dry_run import dry_run, ensure_fake_devices
 from jaxllm.train.goodput import Ledger, account, format_account
 from jaxllm.train.loop import Hooks, load_data, train
+
+log = logs.get(__name__)
 
 
 @exit_on_error
@@ -63,7 +65,11 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
         ledger.mark("data")
         return
     initialize_from_environment()
-    train(cfg, workdir, hooks=hooks, ledger=ledger)
+    cache = use_compile_cache(cfg.train.compile_cache, workdir)
+    with CacheCounts() as programs:
+        train(cfg, workdir, hooks=hooks, ledger=ledger)
+    if cache is not None:
+        log.info(f"compilation cache {cache}: {programs.read} programs read back, {programs.compiled} compiled")
     jax.distributed.shutdown()  # waits for every process: the ledger's last mark (at exit) follows the slowest
 
 

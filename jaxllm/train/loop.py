@@ -86,6 +86,7 @@ def train(
                     return loop.last
             loop.handle_non_finite(loop.non_finite.flush())
             loop.account(loop.run.cfg.train.steps, settle=True)
+            heartbeat.beat(cfg.train.steps, jax.process_index(), slow="the last save and the sample")
         finally:  # on success, preemption or error alike: flush metrics, finish pending saves
             loop.close()
         sample = loop.sample()
@@ -307,7 +308,9 @@ class Loop:
             self.warn(metrics)
             if evaluating:
                 self.account(step, settle=True)
+                heartbeat.beat(step, jax.process_index(), slow="an evaluation")  # the first compiles
                 self.latest_val = self.evaluate()
+                heartbeat.beat(step, jax.process_index())
                 self.ledger.mark("evaluate")
                 metrics |= self.latest_val
             self.writer.write(step, metrics)

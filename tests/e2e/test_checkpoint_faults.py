@@ -2,6 +2,7 @@
 SIGTERM saving and exiting, non-finite steps rolled back."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -15,8 +16,10 @@ from support.runs import ROOT, checkpoint_params, device_env, metrics, run, trai
 
 
 def _cli(workdir, *overrides, faults: dict | None = None, check=True):
-    """The train command; with `faults`, run by tests/support/faults.py with that fault plan."""
-    command = train_command(workdir, "--config.checkpoint.every_steps=4", "--config.parallel.data=8", *overrides)
+    """The train command; with `faults`, run by tests/support/faults.py with that fault plan. The
+    module's runs share a compilation cache of their own, which its first run fills."""
+    cache = f"--config.train.compile_cache={workdir.parent / 'xla-cache'}"
+    command = train_command(workdir, "--config.checkpoint.every_steps=4", "--config.parallel.data=8", cache, *overrides)
     if faults is not None:
         command = [sys.executable, str(ROOT / "tests" / "support" / "faults.py"), json.dumps(faults), *command[3:]]
     return run(command, check=check)
@@ -29,8 +32,14 @@ def _losses(workdir):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("cli") / "full"
-    _cli(workdir)
+    (workdir.parent / "full.out").write_text(_cli(workdir).stdout)
     return workdir
+
+
+def _programs(out: str) -> tuple[int, int]:
+    """A run's programs read back from its compilation cache, and compiled."""
+    read, compiled = re.search(r"compilation cache .*: (\d+) programs read back, (\d+) compiled", out).groups()
+    return int(read), int(compiled)
 
 
 # (fault plan, step the resume restores): checkpoints fall every 4 steps.
@@ -57,6 +66,9 @@ def test_sigkill_and_resume_is_bit_identical(uninterrupted, kill, restores):
     resumed = _cli(workdir)
     if restores is None:
         assert "checkpoint: restored step" not in resumed.stdout
+        # What the uninterrupted run compiled (into a cache it found empty), the resume reads back.
+        fresh = _programs((uninterrupted.parent / "full.out").read_text())
+        assert fresh[0] == 0 and fresh[1] > 0 and _programs(resumed.stdout) == (fresh[1], 0), resumed.stdout[-2000:]
     else:
         assert f"checkpoint: restored step {restores} " in resumed.stdout
     if kill == {"kill_at_step": 9}:

@@ -25,8 +25,9 @@ SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
 
 def _train_args(workdir, data_dir) -> list[str]:
     """The train command's arguments (after `python -m jaxllm.train`): every step logged."""
+    # The module's own compilation cache: its first job compiles afresh, which a test reads the log of.
     overrides = (*LAYOUT, "--config.checkpoint.every_steps=4", f"--config.train.steps={STEPS}",
-                 "--config.train.log_every=1")  # fmt: skip
+                 "--config.train.log_every=1", f"--config.train.compile_cache={workdir.parent}/xla-cache")  # fmt: skip
     return train_command(workdir, *overrides, data_dir=data_dir)[3:]
 
 
@@ -49,10 +50,7 @@ class Job:
         self.cluster, self.workdir = cluster, workdir
         self.log = workdir.parent / f"{workdir.name}.out"
         env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-               "PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}",
-               # One compilation cache for the module's jobs (the script's default is one per workdir).
-               "JAX_COMPILATION_CACHE_DIR": str(workdir.parent / "xla-cache"),
-               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **env}  # fmt: skip
+               "PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}", **env}  # fmt: skip
         self.id = cluster.command(
             "sbatch", "--parsable", "--ntasks=2", "--ntasks-per-node=2", f"--output={self.log}", str(SBATCH),
             *_train_args(workdir, data_dir), env=env, cwd=ROOT,
@@ -189,7 +187,9 @@ def test_killed_task_reruns_in_the_allocation_bit_identical_and_accounted(runs, 
 def test_stopped_task_is_detected_within_the_heartbeat_timeout(runs, cluster):
     root, plain = runs
     job = Job(cluster, root / "hung", root / "data", JAXLLM_HEARTBEAT_TIMEOUT="20")
-    job.wait_for_step(6)
+    # Past the evaluation after step 6 (its compilation may outlast the 20 s, and has the start-up
+    # timeout): the stopped task's last beat is then a step's.
+    job.wait_for_step(7)
     job.task(1).suspend()
     info = job.finish()
     out = job.output()

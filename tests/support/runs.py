@@ -13,6 +13,9 @@ import jax
 from jaxllm.config import RunConfig
 
 ROOT = pathlib.Path(__file__).parents[2]
+# The suite's compilation cache, in-process and in the training runs it starts: a run that compiles
+# what an earlier one did (a resume, the same layout again) reads it back.
+XLA_CACHE = pathlib.Path.home() / ".cache" / "jaxllm-tests-xla"
 
 
 def small_config(**model) -> RunConfig:
@@ -54,7 +57,7 @@ def train_command(workdir, *overrides, data_dir=None) -> list[str]:
         sys.executable, "-m", "jaxllm.train", "--config", "configs/tiny.py", "--workdir", str(workdir),
         "--config.model.num_layers=4", "--config.model.hidden=64", "--config.model.mlp=192",
         "--config.train.steps=12", "--config.train.seq_len=32", "--config.train.log_every=2",
-        "--config.train.sample_tokens=4", "--config.data.eval_every=6",
+        "--config.train.sample_tokens=4", "--config.data.eval_every=6", f"--config.train.compile_cache={XLA_CACHE}",
         *cli_data_flags(data_dir or workdir.parent / "data"), *overrides,
     ]  # fmt: skip
 
