@@ -74,9 +74,12 @@ def train(
                 loop.profiler.before(step)
                 loop.state, metrics = loop.step_fn(loop.state, loop.next_batch(step))
                 profiled = loop.profiler.after(step, (loop.state, metrics))
-                heartbeat.beat(step, jax.process_index())
                 loop.handle_non_finite(loop.non_finite.push(step, metrics["skipped"]))
                 loop.account(step - 1)  # reading its flag waited for the step before
+                # A beat for a finished step, not a dispatched one: a process that compiled its first
+                # step sooner than the others waits for them in that step, under the start-up timeout.
+                if step - 1 > loop.start:
+                    heartbeat.beat(step - 1, jax.process_index())
                 loop.checkpoint(step)
                 loop.hooks.stepped(step, loop)
                 stopping = loop.preemption.reached(step)
