@@ -4,12 +4,12 @@ allocation, one `srun` job step of all its tasks.
     python -m jaxllm.launch --nproc 2 [--max-restarts 3] -- python -m jaxllm.train --config ... --workdir DIR
     python -m jaxllm.launch --slurm --heartbeat-dir WORKDIR/heartbeat -- python -m jaxllm.train ...  # in sbatch
 
-Each process writes a heartbeat file after every step it finishes (`jaxllm.heartbeat`). The launcher ends the
-group and starts it again, with backoff, when any process exits with an error or makes no progress
-for `--heartbeat-timeout` seconds (`--startup-timeout` until its first step, which includes
-compilation and data preparation, and for an evaluation or the end of training, which may
-compile too); training resumes from the last checkpoint. Locally, each process
-gets the coordinator address, its process id and count; under SLURM, srun starts the tasks and JAX
+Each process writes a heartbeat file after every step it finishes (`jaxllm.heartbeat`). The
+launcher ends the group and starts it again, with backoff, when any process exits with an error or
+makes no progress for `--heartbeat-timeout` seconds (`--startup-timeout` until its first step,
+which includes compilation and data preparation, and for an evaluation or the end of training,
+which may compile too); training resumes from the last checkpoint. Locally, each process gets the
+coordinator address, its process id and count; under SLURM, srun starts the tasks and JAX
 reads them from SLURM's environment, and a rerun is a new job step in the same allocation.
 
 Exit status: 0 when every process finished; 75 when the job was asked to stop (SIGTERM: preemption,

@@ -50,8 +50,9 @@ class ServeConfig(Section):
     ngram_min: int = field(2, "and the shortest: shorter runs recur by chance and propose tokens that are rejected")
     tensor: int = field(-1, "devices for tensor parallelism (-1: as many local ones as split the heads evenly)")
     compile_cache: str | None = field(None, "JAX's persistent compilation cache, so a restart loads its steps instead "
-                                            "of compiling them (None: WORKDIR/xla-cache for a run, else "
-                                            "~/.cache/jaxllm/xla-cache; 'off': none)")  # fmt: skip
+                                            "of compiling them (None: $JAX_COMPILATION_CACHE_DIR, else "
+                                            "WORKDIR/xla-cache for a run, else ~/.cache/jaxllm/xla-cache; "
+                                            "'off': none)")  # fmt: skip
     prompt_nll: bool = field(False, "each prompt token's log-prob (the LM head over every prompt token)")
     host: str = field("127.0.0.1", "where the HTTP server listens")
     port: int = field(8000, "and on which port")
