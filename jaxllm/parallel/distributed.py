@@ -11,9 +11,13 @@ import socket
 
 import jax
 import numpy as np
+from jax._src.lib import xla_client  # the topology fingerprint that JAX's cache keys hold
 from jax.experimental import multihost_utils
 
+from jaxllm import logs
 from jaxllm.config import ConfigError
+
+log = logs.get(__name__)
 
 
 def initialize_from_environment() -> None:
@@ -90,8 +94,16 @@ def use_compile_cache(setting: str | None, workdir: str | pathlib.Path | None) -
     """Points JAX's persistent compilation cache at `setting`'s directory (train.compile_cache,
     serve.compile_cache; by default $JAX_COMPILATION_CACHE_DIR, else `workdir`/xla-cache, else
     ~/.cache/jaxllm/xla-cache), keeping every executable however quick it compiles: a server
-    compiles a hundred small ones. A restart reads them back instead of compiling. None if 'off'."""
+    compiles a hundred small ones. A restart reads them back instead of compiling. None if 'off',
+    or if the job's processes would not share what it holds (`cache_keys_agree`)."""
     if setting == "off":
+        return None
+    if not cache_keys_agree():
+        log.warning(
+            "compilation cache off: on this backend JAX keys a program differently in each process and only "
+            "process 0 writes, so process 0 would read back what the others compile again, and run ahead of "
+            "them past the 30 s gloo allows a collective's first meeting (JAX on CPU)"
+        )
         return None
     default = pathlib.Path(workdir) / "xla-cache" if workdir else pathlib.Path.home() / ".cache/jaxllm/xla-cache"
     directory = pathlib.Path(setting or os.environ.get("JAX_COMPILATION_CACHE_DIR") or default)
@@ -101,18 +113,32 @@ def use_compile_cache(setting: str | None, workdir: str | pathlib.Path | None) -
     return directory
 
 
+def cache_keys_agree() -> bool:
+    """Whether every process of the job computes the same compilation-cache key for a program. JAX's
+    key holds the devices' topology fingerprint, which on CPU differs from process to process."""
+    if jax.process_count() == 1:
+        return True
+    try:
+        fingerprint = xla_client.get_topology_for_devices(jax.devices()).fingerprint()
+    except jax.errors.JaxRuntimeError:  # JAX then keys by device ids, the same in every process
+        return True
+    mine = np.frombuffer(fingerprint.to_bytes(8, "big"), np.uint8)
+    return bool((np.asarray(multihost_utils.process_allgather(mine)) == mine).all())
+
+
 class CacheCounts:
     """While open: the programs read back from the compilation cache, and those compiled because it
-    did not hold them (JAX's monitoring events; programs the cache cannot keep count in neither)."""
+    did not hold them (JAX's monitoring events: a request to the cache that was not a hit compiled;
+    JAX counts a miss only where it writes, in process 0)."""
 
-    HIT, MISS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"
+    HIT, REQUEST = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/compile_requests_use_cache"
 
     def __init__(self) -> None:
         self.read = self.compiled = 0
 
     def _count(self, event: str, **_) -> None:
         self.read += event == self.HIT
-        self.compiled += event == self.MISS
+        self.compiled += (event == self.REQUEST) - (event == self.HIT)
 
     def __enter__(self) -> CacheCounts:
         jax.monitoring.register_event_listener(self._count)

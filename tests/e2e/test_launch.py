@@ -53,6 +53,17 @@ def test_two_processes_match_one(runs):
     np.testing.assert_allclose([loss for _, loss in got], [loss for _, loss in want], rtol=1e-5)
 
 
+def test_processes_on_cpu_turn_the_compilation_cache_off_alike(runs):
+    """JAX on CPU keys a program differently in each process and only process 0 writes: with the
+    cache on, a restarted process 0 would read back what process 1 compiles again, and outrun it
+    past gloo's 30 s. So both processes compile, and say why."""
+    _, multi = runs
+    lines = [json.loads(line) for line in (multi.parent / "multi.out").read_text().splitlines() if line.startswith("{")]
+    off = [r["process"] for r in lines if r["message"].startswith("compilation cache off: on this backend")]
+    assert sorted(off) == [0, 1]
+    assert not [r for r in lines if "programs read back" in r["message"]]
+
+
 def test_with_log_all_processes_each_process_logs_json_lines(runs):
     """`--log-all-processes --log-json`: both processes announce the run, as JSON lines that name
     their process; without them only process 0 speaks (tests/e2e/test_slurm.py)."""

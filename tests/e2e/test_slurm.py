@@ -25,10 +25,8 @@ SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
 
 def _train_args(workdir, data_dir) -> list[str]:
     """The train command's arguments (after `python -m jaxllm.train`): every step logged."""
-    # The module's own compilation cache: its first job compiles afresh, which a test reads the log of.
-    overrides = (*LAYOUT, "--config.checkpoint.every_steps=4", f"--config.train.steps={STEPS}",
-                 "--config.train.log_every=1", f"--config.train.compile_cache={workdir.parent}/xla-cache")  # fmt: skip
-    return train_command(workdir, *overrides, data_dir=data_dir)[3:]
+    overrides = ("--config.checkpoint.every_steps=4", f"--config.train.steps={STEPS}", "--config.train.log_every=1")
+    return train_command(workdir, *LAYOUT, *overrides, data_dir=data_dir)[3:]
 
 
 @pytest.fixture(scope="module")
