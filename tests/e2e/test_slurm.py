@@ -15,6 +15,7 @@ import psutil
 import pytest
 from support.runs import ROOT, metrics, run, train_command
 from support.slurm import Cluster, unavailable
+from support.xla_flags import xla_flags
 
 from jaxllm.train.goodput import account
 
@@ -47,7 +48,7 @@ class Job:
     def __init__(self, cluster: Cluster, workdir: pathlib.Path, data_dir, **env: str):
         self.cluster, self.workdir = cluster, workdir
         self.log = workdir.parent / f"{workdir.name}.out"
-        env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        env = {"XLA_FLAGS": xla_flags(4),
                "PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}", **env}  # fmt: skip
         self.id = cluster.command(
             "sbatch", "--parsable", "--ntasks=2", "--ntasks-per-node=2", f"--output={self.log}", str(SBATCH),

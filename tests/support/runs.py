@@ -11,6 +11,7 @@ import time
 import jax
 
 from jaxllm.config import RunConfig
+from support.xla_flags import xla_flags
 
 ROOT = pathlib.Path(__file__).parents[2]
 # The suite's compilation cache, in-process and in the training runs it starts: a run that compiles
@@ -63,7 +64,7 @@ def train_command(workdir, *overrides, data_dir=None) -> list[str]:
 
 
 def device_env(devices: int = 8) -> dict[str, str]:
-    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    return {**os.environ, "XLA_FLAGS": xla_flags(devices)}
 
 
 def run(command: list[str], devices: int = 8, check: bool = True) -> subprocess.CompletedProcess:

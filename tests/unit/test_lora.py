@@ -112,8 +112,9 @@ def test_lora_on_tensor_stage_fsdp_matches_one_device(single, tmp_path):
     mask = adapter_mask(single["run"].model.specs)
     ours = partition(to_canonical(got["state"]["params"], got["run"].schedule), mask)
     theirs = partition(single["state"]["params"], mask)
-    # Adam divides by sqrt(v): fp32 reduction-order noise moves a near-zero gradient's update a little
-    chex.assert_trees_all_close(ours[0], theirs[0], rtol=1e-3, atol=1e-5)
+    # Adam divides by sqrt(v): fp32 reduction-order noise moves a near-zero gradient's update a
+    # little. atol is 1 % of one update (lr 1e-2): a wrong gradient moves a weight by whole updates.
+    chex.assert_trees_all_close(ours[0], theirs[0], rtol=1e-3, atol=1e-4)
     chex.assert_trees_all_equal(ours[1]["embed"], theirs[1]["embed"])
 
     # The checkpoint (saved from the 8-device pipeline) restores onto one device, adapters folded
@@ -121,7 +122,7 @@ def test_lora_on_tensor_stage_fsdp_matches_one_device(single, tmp_path):
     cfg, params, step = load_params(tmp_path)
     assert step == 3 and cfg.model.lora.rank == 0
     want, plain = merge_adapters(single["state"]["params"], single["run"].cfg.model)
-    chex.assert_trees_all_close(jax.device_get(params), want, rtol=1e-3, atol=1e-5)
+    chex.assert_trees_all_close(jax.device_get(params), want, rtol=1e-3, atol=1e-4)
 
     # The server serves the run with its adapters folded in: its greedy tokens are the merged model's.
     tokenizer = get_tokenizer(train_bpe(iter(["a LoRA run, served"] * 4), 300, tmp_path / "bpe"))

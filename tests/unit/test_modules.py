@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 from support.docs import runnable_block
 from support.runs import ROOT, small_config
+from support.xla_flags import DEFAULT_COMPILE
 
 from jaxllm.checkpoint import load_params, saved_config
 from jaxllm.config import load_config
@@ -49,6 +50,12 @@ def digest(tree) -> dict[str, str]:
     }
 
 
+def at_default_compile(make):
+    """`make()` compiled as users' processes compile it, not with the suite's quick flags, which
+    change the last bits of the normal draws."""
+    return jax.jit(make, compiler_options=DEFAULT_COMPILE)()
+
+
 def _golden_config(name):
     if name == "tiny_seed0":
         return load_config("configs/tiny.py")
@@ -61,7 +68,7 @@ def _golden_config(name):
 @pytest.mark.parametrize("name", [*GOLDEN_CONFIGS, "tiny_seed0"])
 def test_init_equals_the_frozen_checksums(name):
     cfg = _golden_config(name)
-    assert digest(init_params(cfg)) == GOLDEN[name]
+    assert digest(at_default_compile(lambda: init_params(cfg))) == GOLDEN[name]
 
 
 def test_module_init_ignores_rng_counters_and_equals_the_sharded_trainer_init():
@@ -82,7 +89,8 @@ def test_params_are_a_plain_dict_and_round_trip_through_the_model():
     cfg = small_config()
     module = Decoder(cfg.model, rngs=nnx.Rngs(3))
     params = params_of(module)
-    assert digest(params) == GOLDEN["default"]  # today's keys (the checkpoint schema) and values
+    # today's keys (the checkpoint schema) and values
+    assert digest(at_default_compile(lambda: params_of(Decoder(cfg.model, rngs=nnx.Rngs(3))))) == GOLDEN["default"]
     assert all(type(node) is dict for node in _nodes(params)), "plain dicts only, no nnx.State"
     assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(params))
     again = Model(cfg.model).bind(params)

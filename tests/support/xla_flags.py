@@ -1,0 +1,16 @@
+"""The XLA flags of every process the suite runs. Its time is compile time: thousands of small
+programs, each compiled once and run for milliseconds. LLVM at -O0 without XLA's fusion emitters
+compiles them about twice as fast (docs/testing.md has the figures) and changes results only in
+their last bits, the same way in every program the suite compares. What users run, default flags,
+is what the 120B dry run and the docs' own commands compile with."""
+
+QUICK_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+
+
+def xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a process of the suite with `devices` fake CPU devices."""
+    return " ".join([f"--xla_force_host_platform_device_count={devices}", *QUICK_COMPILE])
+
+# XLA's defaults for what QUICK_COMPILE changes, as `compiler_options` for a program whose expected
+# values are the exact bits users' processes compute (tests/unit/test_modules.py's frozen values).
+DEFAULT_COMPILE = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
