@@ -22,6 +22,23 @@ jax.config.update("jax_compilation_cache_dir", str(XLA_CACHE))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
+def pytest_configure(config):
+    # pytest-xdist hands out the files with the most tests first; the order below is kept instead
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items):
+    """The files marked `minutes(N)` first, longest first: with `--dist loadfile` a worker then ends
+    on short files, not alone on a long one after the other has run out of work."""
+
+    def minutes(item) -> float:
+        marker = item.get_closest_marker("minutes")
+        return marker.args[0] if marker else 0
+
+    items.sort(key=minutes, reverse=True)
+
+
 @pytest.fixture
 def caplog(caplog):
     """pytest's caplog, which listens at the root logger, also listening at jaxllm's, which keeps

@@ -27,6 +27,8 @@ from jaxllm.data.tokenizer import load_saved_tokenizer
 from jaxllm.model.cache import KVCache
 from jaxllm.model.decoder import Model
 
+pytestmark = pytest.mark.minutes(5)  # about 5 min on 2 cores: scheduled first (tests/conftest.py)
+
 KEY, RATE_KEY, FLOOD_KEY = "key-main", "key-rate", "key-flood"
 BURST, SLOTS, QUEUE, MAX_LEN, MAX_PROMPT = 400, 8, 8, 256, 128
 PPL_ALARM = 1000  # the training corpus reads at a perplexity of ~100-200 here, random tokens at ~2000

@@ -5,7 +5,10 @@ The GPU's figures themselves come from running it on one (docs/benchmarks.md).""
 import re
 import sys
 
+import pytest
 from support.runs import ROOT, run
+
+pytestmark = pytest.mark.minutes(4)  # about 4 min on 2 cores: scheduled first (tests/conftest.py)
 
 SHRUNK = ["--config.model.num_layers=4", "--config.model.hidden=64", "--config.model.num_heads=4",
           "--config.model.num_kv_heads=4", "--config.model.mlp=128", "--config.model.max_seq_len=256"]  # fmt: skip

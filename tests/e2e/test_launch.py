@@ -17,6 +17,8 @@ from support.runs import ROOT, checkpoint_params, metrics, run, start_until_firs
 
 from jaxllm.checkpoint import load_params
 
+pytestmark = pytest.mark.minutes(7)  # about 7 min on 2 cores: scheduled first (tests/conftest.py)
+
 
 def _train_command(workdir):
     return train_command(

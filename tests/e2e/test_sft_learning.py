@@ -6,7 +6,10 @@ an instruction worded otherwise changes neither the tokens it learns from nor wh
 import json
 import sys
 
+import pytest
 from support.runs import ROOT, run
+
+pytestmark = pytest.mark.minutes(3)  # about 3 min on 2 cores: scheduled first (tests/conftest.py)
 
 ACCURACY = 0.9  # exact match on the 120 held-out lists; the check reaches 1.00 for each (docs/fine-tuning.md)
 

@@ -19,6 +19,8 @@ from support.xla_flags import xla_flags
 
 from jaxllm.train.goodput import account
 
+pytestmark = pytest.mark.minutes(9)  # about 9 min on 2 cores: scheduled first (tests/conftest.py)
+
 STEPS = 12
 LAYOUT = ("--config.parallel.data=2", "--config.parallel.fsdp=2", "--config.parallel.tensor=2")
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"

@@ -13,6 +13,8 @@ from support.runs import cli_data_flags, metrics, run, train_command
 from jaxllm.data.tokenizer import load_saved_tokenizer
 from jaxllm.export import export
 
+pytestmark = pytest.mark.minutes(6)  # about 6 min on 2 cores: scheduled first (tests/conftest.py)
+
 LONGER = ["--config.train.steps=40", "--config.train.seq_len=64", "--config.train.log_every=10",
           "--config.data.eval_every=20", "--config.train.sample_tokens=16"]  # fmt: skip
 
