@@ -18,9 +18,9 @@ import time
 
 ROOT = pathlib.Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from support.xla_flags import QUICK_COMPILE  # noqa: E402
+from support.xla_flags import xla_flags  # noqa: E402
 
-FLAG_SETS = {"default": (), "quick": QUICK_COMPILE}
+FLAG_SETS = {"default": "--xla_force_host_platform_device_count=8", "quick": xla_flags(8)}
 
 
 def measure(steps: int) -> dict[str, float]:
@@ -53,8 +53,8 @@ def measure(steps: int) -> dict[str, float]:
         return {"compile_s": compiled - start, "step_s": (time.perf_counter() - ran) / steps}
 
 
-def in_fresh_process(flags: tuple[str, ...], steps: int) -> dict[str, float]:
-    env = {**os.environ, "XLA_FLAGS": " ".join(["--xla_force_host_platform_device_count=8", *flags])}
+def in_fresh_process(flags: str, steps: int) -> dict[str, float]:
+    env = {**os.environ, "XLA_FLAGS": flags}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     out = subprocess.run([sys.executable, __file__, "--child", "--steps", str(steps)], env=env, cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout  # fmt: skip
@@ -77,7 +77,7 @@ def main() -> None:
     best = {name: {key: min(r[key] for r in rs) for key in rs[0]} for name, rs in runs.items()}
     print(f"{'flags':<9}{'compile s':>11}{'step ms':>10}   (best of {args.repeats})")
     for name, b in best.items():
-        print(f"{name:<9}{b['compile_s']:>11.2f}{b['step_s'] * 1e3:>10.1f}   {' '.join(FLAG_SETS[name]) or '(none)'}")
+        print(f"{name:<9}{b['compile_s']:>11.2f}{b['step_s'] * 1e3:>10.1f}   {FLAG_SETS[name]}")
     d, q = best["default"], best["quick"]
     print(f"quick / default: compile {q['compile_s'] / d['compile_s']:.2f}×, step {q['step_s'] / d['step_s']:.2f}×")
 

@@ -4,12 +4,12 @@ their arithmetic, not by which ops the CPU compiler happened to fuse in fp32."""
 
 import os
 
-from support.xla_flags import QUICK_COMPILE
+from support.xla_flags import xla_flags
 
 # Added once: pytest-xdist's workers inherit the flags the controller set, and flags written twice
 # would give the compilation cache's keys another spelling than a run without workers.
 _flags = os.environ.get("XLA_FLAGS", "").split()
-_wanted = ("--xla_force_host_platform_device_count=8", "--xla_allow_excess_precision=false", *QUICK_COMPILE)
+_wanted = (*xla_flags(8).split(), "--xla_allow_excess_precision=false")
 os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in _wanted if f not in _flags])
 
 import jax  # noqa: E402

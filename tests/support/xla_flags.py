@@ -5,12 +5,11 @@ their last bits, the same way in every program the suite compares. What users ru
 is what the 120B dry run and the docs' own commands compile with."""
 
 QUICK_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+# XLA's defaults for what QUICK_COMPILE changes, as `compiler_options` for a program whose expected
+# values are the exact bits users' processes compute (tests/unit/test_modules.py's frozen values).
+DEFAULT_COMPILE = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
 
 
 def xla_flags(devices: int) -> str:
     """XLA_FLAGS for a process of the suite with `devices` fake CPU devices."""
     return " ".join([f"--xla_force_host_platform_device_count={devices}", *QUICK_COMPILE])
-
-# XLA's defaults for what QUICK_COMPILE changes, as `compiler_options` for a program whose expected
-# values are the exact bits users' processes compute (tests/unit/test_modules.py's frozen values).
-DEFAULT_COMPILE = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
