@@ -6,7 +6,8 @@ is what the 120B dry run and the docs' own commands compile with."""
 
 QUICK_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 # XLA's defaults for what QUICK_COMPILE changes, as `compiler_options` for a program whose expected
-# values are the exact bits users' processes compute (tests/unit/test_modules.py's frozen values).
+# values are the exact bits users' processes compute (tests/unit/test_modules.py's frozen values),
+# or one that runs far longer than it compiles (tests/unit/test_int8.py's 150 training steps).
 DEFAULT_COMPILE = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
 
 
