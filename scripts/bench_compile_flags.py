@@ -20,7 +20,7 @@ ROOT = pathlib.Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from support.xla_flags import xla_flags  # noqa: E402
 
-FLAG_SETS = {"default": "--xla_force_host_platform_device_count=8", "quick": xla_flags(8)}
+FLAG_SETS = {"default": xla_flags(8, quick=False), "quick": xla_flags(8)}
 
 
 def measure(steps: int) -> dict[str, float]:

@@ -15,7 +15,9 @@ ACCURACY = 0.9  # exact match on the 120 held-out lists; the check reaches 1.00 
 
 
 def test_fine_tuning_learns_to_reverse_held_out_lists_full_and_lora(tmp_path):
-    proc = run([sys.executable, str(ROOT / "scripts" / "sft_learning_check.py"), "--workdir", str(tmp_path)], devices=1)
+    # Four fine-tunings of hundreds of steps run longer than they compile: XLA's default flags
+    command = [sys.executable, str(ROOT / "scripts" / "sft_learning_check.py"), "--workdir", str(tmp_path)]
+    proc = run(command, devices=1, quick=False)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["base copies"] >= ACCURACY  # knows the words and the format
     assert result["base reverses"] == 0.0  # and cannot do the task

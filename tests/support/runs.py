@@ -63,12 +63,13 @@ def train_command(workdir, *overrides, data_dir=None) -> list[str]:
     ]  # fmt: skip
 
 
-def device_env(devices: int = 8) -> dict[str, str]:
-    return {**os.environ, "XLA_FLAGS": xla_flags(devices)}
+def device_env(devices: int = 8, quick: bool = True) -> dict[str, str]:
+    return {**os.environ, "XLA_FLAGS": xla_flags(devices, quick)}
 
 
-def run(command: list[str], devices: int = 8, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(command, cwd=ROOT, env=device_env(devices), capture_output=True, text=True, timeout=600)
+def run(command: list[str], devices: int = 8, check: bool = True, quick: bool = True) -> subprocess.CompletedProcess:
+    env = device_env(devices, quick)
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if check:
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc

@@ -11,6 +11,7 @@ QUICK_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emi
 DEFAULT_COMPILE = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
 
 
-def xla_flags(devices: int) -> str:
-    """XLA_FLAGS for a process of the suite with `devices` fake CPU devices."""
-    return " ".join([f"--xla_force_host_platform_device_count={devices}", *QUICK_COMPILE])
+def xla_flags(devices: int, quick: bool = True) -> str:
+    """XLA_FLAGS for a process of the suite with `devices` fake CPU devices; `quick=False` for one
+    that runs far longer than it compiles."""
+    return " ".join([f"--xla_force_host_platform_device_count={devices}", *(QUICK_COMPILE if quick else ())])
