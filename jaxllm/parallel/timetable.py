@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxllm.config import Schedule
+from jaxllm.config import TABLE_SCHEDULES, Schedule
 
 IDLE = -1
 # The relative cost of a backward (input and weight gradients) and a forward, as the literature
@@ -81,6 +81,11 @@ def work_order(kind: str, stages: int, microbatches: int, chunks: int) -> tuple[
 def of(schedule: Schedule) -> Timetable:
     """The timetable of a pipeline `schedule` of a table-driven kind."""
     return build(schedule.kind, schedule.stages, schedule.microbatches, schedule.repeats)
+
+
+def steps_of(schedule: Schedule | None) -> int | None:
+    """The steps of a table-driven schedule's loop; None for GPipe, circular or no pipeline."""
+    return of(schedule).steps if schedule is not None and schedule.kind in TABLE_SCHEDULES else None
 
 
 @cache

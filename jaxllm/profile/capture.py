@@ -21,10 +21,11 @@ class StepProfiler:
 
     def __init__(self, steps: tuple[int, int], logdir: str | pathlib.Path, *, module: str | None = None,
                  schedule: Schedule | None = None, stage_of: Mapping[str, int] | None = None,
-                 on_summary: Callable[[Summary], None] | None = None):  # fmt: skip
+                 loop_steps: int | None = None, on_summary: Callable[[Summary], None] | None = None):  # fmt: skip
         self.first, self.last = steps
         self.logdir = pathlib.Path(logdir)
         self.module, self.schedule, self.stage_of, self.on_summary = module, schedule, stage_of, on_summary
+        self.loop_steps = loop_steps
         self.started: int | None = None
         self.done = False
         self.summary: Summary | None = None
@@ -47,7 +48,9 @@ class StepProfiler:
         jax.profiler.stop_trace()
         self.done = True
         ops = read_ops(find_trace(self.logdir), self.module)
-        self.summary = summarize(ops, step - self.started + 1, schedule=self.schedule, stage_of=self.stage_of)
+        self.summary = summarize(
+            ops, step - self.started + 1, schedule=self.schedule, stage_of=self.stage_of, loop_steps=self.loop_steps
+        )
         (self.logdir / "summary.txt").write_text(self.summary.format() + "\n")
         if self.on_summary is not None:
             self.on_summary(self.summary)

@@ -34,6 +34,7 @@ from jaxllm.config import TABLE_SCHEDULES, Schedule
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 CATEGORIES = ("matmul", "attention", "other", *COLLECTIVES, "copy/transfer", "idle")
 CONTAINERS = ("while", "conditional", "call")
+COMPUTE = ("matmul", "attention", "other", "copy/transfer")  # what a device works on, not waits in
 
 # How each kind of op is named: XLA's opcode (`all-reduce.3`, `all-reduce-start`), or the JAX
 # primitive that emitted it (`psum_invariant.2`, `ppermute.16`: JAX names HLO ops after their source).
@@ -149,6 +150,8 @@ class Summary:
     comm_share: float  # exposed collective time / step time
     bubble: float | None = None  # see pipeline_bubble; None without a pipeline
     pipeline_share: float | None = None  # the pipeline loops' share of the step
+    # A timetable-driven pipeline's measured work per loop step and stage, seconds [steps][stages]
+    stage_work: list[list[float]] | None = None
     devices: int = 0
 
     def metrics(self) -> dict[str, float]:
@@ -175,10 +178,11 @@ class Summary:
 
 
 def summarize(ops: list[Op], steps: int, *, schedule: Schedule | None = None,
-              stage_of: Mapping[str, int] | None = None, top: int = 15) -> Summary:  # fmt: skip
-    """The summary of `steps` steps' device ops. With a GPipe or circular pipeline `schedule` and
-    each device's stage (`stage_of`, by device key), also the measured bubble (a timetable-driven
-    schedule's steps are not told apart yet)."""
+              stage_of: Mapping[str, int] | None = None, loop_steps: int | None = None,
+              top: int = 15) -> Summary:  # fmt: skip
+    """The summary of `steps` steps' device ops. With a pipeline `schedule` and each device's stage
+    (`stage_of`, by device key), also the measured bubble; a timetable-driven schedule needs its
+    loop's steps too (`loop_steps`, `parallel.timetable.steps_of`)."""
     if not ops:
         raise ValueError("the trace holds no device ops (args.hlo_op); was a step run while tracing?")
     by_device = collections.defaultdict(list)
@@ -201,9 +205,13 @@ def summarize(ops: list[Op], steps: int, *, schedule: Schedule | None = None,
     top_ops = [(name, category[name], t, t / step_time) for name, t in per_op.most_common(top)]
     comm = sum(totals[c] for c in COLLECTIVES) / step_time
     summary = Summary(steps, step_time, totals, top_ops, comm, devices=n)
-    if schedule is not None and schedule.kind not in TABLE_SCHEDULES and stage_of:
-        bubble, share = pipeline_bubble(by_device, schedule, stage_of, window * 1e6)
-        summary.bubble, summary.pipeline_share = bubble, share
+    if schedule is not None and stage_of:
+        if schedule.kind not in TABLE_SCHEDULES:
+            summary.bubble, summary.pipeline_share = pipeline_bubble(by_device, schedule, stage_of, window * 1e6)
+        elif loop_steps:
+            summary.bubble, summary.pipeline_share, summary.stage_work = timetable_bubble(
+                by_device, loop_steps, stage_of, window * 1e6
+            )
     return summary
 
 
@@ -287,3 +295,54 @@ def pipeline_bubble(by_device: Mapping[str, list[Op]], schedule: Schedule, stage
     if not fractions:
         return None, None
     return sum(fractions) / len(fractions), sum(shares) / len(shares)
+
+
+def timetable_bubble(by_device: Mapping[str, list[Op]], steps: int, stage_of: Mapping[str, int],
+                     window_us: float) -> tuple[float | None, float | None, list | None]:  # fmt: skip
+    """The measured bubble of a timetable-driven schedule (`1f1b`, `interleaved_1f1b`), its loop's
+    share of the profiled window, and each stage's work in each step (seconds, [steps][stages]).
+
+    Its loop is one `lax.scan` of `steps` steps, each ending with two collective-permutes
+    (activations on, gradients back) that run `steps` times per execution. Step i on a device lasts
+    from the end of step i − 1's later permute to the end of its own (step 0 from the start of the
+    `while` that holds the loop); its work w[i, s] is the compute in it (every category but the
+    collectives and idle: the stage's forward, its backward, the buffer updates). Every stage
+    waits at a step's permutes for the busiest, so
+
+        bubble = 1 − Σ w / (S · Σ_i max_s w[i, s])
+
+    `Timetable.bubble`'s formula with measured costs in place of the unit ones. w[i, s] is the least
+    over the stage's devices and the profiled executions: on fake CPU devices that share a few
+    cores, a sample grows whenever its thread waits for a core."""
+    work = collections.defaultdict(list)  # (step, stage) -> samples
+    shares = []
+    for device, ops in by_device.items():
+        if device not in stage_of:
+            continue
+        shifts = collections.defaultdict(list)  # (execution, permute op) -> its runs
+        for o in ops:
+            if o.category == "collective-permute":
+                shifts[o.run, o.name].append(o)
+        whiles = sorted(o.start for o in ops if o.name.lower().startswith("while"))
+        leaves = [o for o in ops if not o.container]
+        loop_time = 0.0
+        for run in sorted({run for run, _ in shifts}):
+            loop = [sorted(runs, key=lambda o: o.start)
+                    for (r, _), runs in shifts.items() if r == run and len(runs) == steps]  # fmt: skip
+            if len(loop) != 2:
+                continue
+            ends = [max(shift[i].end for shift in loop) for i in range(steps)]
+            first = min(shift[0].start for shift in loop)
+            cuts = [max([t for t in whiles if t <= first], default=first), *ends]
+            for i in range(steps):
+                part = partition(leaves, cuts[i], cuts[i + 1])
+                work[i, stage_of[device]].append(sum(part[c] for c in COMPUTE))
+            loop_time += cuts[-1] - cuts[0]
+        if loop_time:
+            shares.append(loop_time / window_us)
+    stages = len(set(stage_of.values()))
+    if not shares or len(work) != steps * stages:
+        return None, None, None
+    w = [[min(work[i, s]) * 1e-6 for s in range(stages)] for i in range(steps)]
+    bubble = 1 - sum(map(sum, w)) / (stages * sum(map(max, w)))
+    return bubble, sum(shares) / len(shares), w

@@ -24,6 +24,7 @@ from jaxllm.data.tokenizer import prompt_ids, save_tokenizer
 from jaxllm.model.decoder import Model
 from jaxllm.model.generate import generate
 from jaxllm.model.sampling import Sampling
+from jaxllm.parallel import timetable
 from jaxllm.parallel.distributed import check_shared
 from jaxllm.parallel.mesh import describe, make_mesh
 from jaxllm.parallel.rules import RULES, activation_rules
@@ -222,6 +223,7 @@ class Loop:
             module="jit_train_step",
             schedule=run.schedule,
             stage_of=stages_of(run.mesh),
+            loop_steps=timetable.steps_of(run.schedule),
             on_summary=lambda s: log.info(s.format()),
         )
         self.clock, self.clock_step, self.saved_step = time.perf_counter(), self.start, self.start

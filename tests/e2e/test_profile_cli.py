@@ -1,5 +1,6 @@
-"""`--config.train.profile_steps`: a pipeline run traces steps 3 and 4 into WORKDIR/profile/, prints
-the summary and the out-of-band warnings once, and logs the measured ratios to metrics.jsonl.
+"""`--config.train.profile_steps`: a pipeline run (1F1B, whose loop's steps the run tells the
+profiler) traces steps 3 and 4 into WORKDIR/profile/, prints the summary and the out-of-band
+warnings once, and logs the measured ratios to metrics.jsonl.
 `serve --profile-steps`: the engine's steps traced and summarised the same way."""
 
 import sys
@@ -10,7 +11,8 @@ from support.runs import metrics, run, train_command
 def test_a_profiled_run_writes_the_trace_and_prints_and_logs_the_summary(tmp_path):
     workdir = tmp_path / "run"
     flags = ["--config.model.qkv_share_every=2", "--config.parallel.stage=2", "--config.parallel.microbatches=2",
-             "--config.parallel.data=4", "--config.train.steps=5", "--config.train.profile_steps=3:4"]  # fmt: skip
+             "--config.parallel.schedule=1f1b", "--config.parallel.data=4", "--config.train.steps=5",
+             "--config.train.profile_steps=3:4"]  # fmt: skip
     out = run(train_command(workdir, *flags)).stdout
     traces = list((workdir / "profile" / "plugins" / "profile").glob("*/*.trace.json.gz"))
     assert len(traces) == 1 and traces[0].stat().st_size > 0
@@ -22,7 +24,7 @@ def test_a_profiled_run_writes_the_trace_and_prints_and_logs_the_summary(tmp_pat
     logged = {m["step"]: m for m in metrics(workdir)}
     assert {"comm_share", "bubble_measured", "profile_step_time_s", "profile_matmul_s"} <= logged[4].keys()
     assert "comm_share" not in logged[2] and "memory_fraction" not in logged[4]  # CPU reports no memory stats
-    # 2 stages × 2 microbatches: a third of the pipeline's iterations are empty, over the 15 % band
+    # 2 stages × 2 microbatches: a third of the pipeline's time or more is bubble, over the 15 % band
     assert out.count("warning: bubble_measured=") == 1 and "parallel.microbatches" in out
     # One more step in the same workdir resumes after step 5: the run says why it traces nothing.
     again = run(train_command(workdir, *flags[:-2], "--config.train.steps=6", flags[-1])).stdout

@@ -1,0 +1,75 @@
+"""Each pipeline schedule's measured bubble (the profiler's, as `train.profile_steps` logs it)
+beside its analytic bubble, at 4 stages × 8 microbatches (2 chunks for circular and interleaved
+1F1B), data 2, on the 8 devices JAX sees (fake CPU devices unless there are 8 accelerators).
+
+    python scripts/bench_bubble.py [--steps 3]
+
+The model is tiny (8 layers of width 64): a stage's work is a few matmuls, and the head and the
+loss, which the timetable-driven schedules run on the last stage inside the loop, cost about as
+much as that stage's forward of two layers, so they add to those schedules' bubble what the
+analytic one counts as nothing. On fake CPU devices, 8 share the host's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxllm.config import RunConfig  # noqa: E402
+from jaxllm.parallel import timetable  # noqa: E402
+from jaxllm.parallel.mesh import make_mesh  # noqa: E402
+from jaxllm.profile import StepProfiler  # noqa: E402
+from jaxllm.profile.capture import stages_of  # noqa: E402
+from jaxllm.train.run import build_run  # noqa: E402
+from jaxllm.train.step import compile_train_step, init_state  # noqa: E402
+
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("circular", 2), ("interleaved_1f1b", 2))
+
+
+def measured_bubble(schedule: str, chunks: int, steps: int) -> tuple[float, float]:
+    """(measured, analytic) bubble of `steps` profiled train steps after one that compiles."""
+    cfg = RunConfig().updated(
+        model=dict(num_layers=8, hidden=64, num_heads=8, mlp=128, vocab_size=257, max_seq_len=64, qkv_share_every=1,
+                   dtype="float32"),
+        parallel=dict(data=2, stage=4, microbatches=8, repeats=chunks, schedule=schedule),
+        data=dict(bpe_vocab_size=256),
+        train=dict(batch_size=16, seq_len=64),
+    )  # fmt: skip
+    mesh = make_mesh(cfg.parallel)
+    tokens = np.random.default_rng(0).integers(0, 257, (16, 65)).astype(np.int32)
+    with jax.set_mesh(mesh), tempfile.TemporaryDirectory() as logdir:
+        run = build_run(cfg, mesh)
+        state, step = init_state(run), compile_train_step(run)
+        profiler = StepProfiler((2, 1 + steps), logdir, module="jit_train_step", schedule=run.schedule,
+                                stage_of=stages_of(mesh), loop_steps=timetable.steps_of(run.schedule))  # fmt: skip
+        batch = jax.device_put({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, run.batch_sharding)
+        for i in range(1, 2 + steps):
+            profiler.before(i)
+            state, metrics = step(state, batch)
+            profiler.after(i, (state, metrics))
+    return profiler.summary.bubble, run.schedule.bubble
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=3, help="profiled train steps per schedule")
+    args = parser.parse_args()
+    print(f"{jax.devices()[0].device_kind} × {jax.device_count()}, jax {jax.__version__}; 4 stages, 8 microbatches")
+    print(f"{'schedule':>18} {'chunks':>6} {'analytic':>9} {'measured':>9}")
+    measured = {}
+    for schedule, chunks in SCHEDULES:
+        measured[schedule], analytic = measured_bubble(schedule, chunks, args.steps)
+        print(f"{schedule:>18} {chunks:>6} {analytic:>9.3f} {measured[schedule]:>9.3f}")
+    analytic = timetable.build("interleaved_1f1b", 4, 8, 2).bubble() / timetable.build("1f1b", 4, 8, 1).bubble()
+    ratio = measured["interleaved_1f1b"] / measured["1f1b"]
+    print(f"interleaved 1F1B ÷ 1F1B, measured {ratio:.2f}, analytic {analytic:.2f}")
+
+
+if __name__ == "__main__":
+    main()
