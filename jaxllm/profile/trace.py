@@ -303,11 +303,12 @@ def timetable_bubble(by_device: Mapping[str, list[Op]], steps: int, stage_of: Ma
     share of the profiled window, and each stage's work in each step (seconds, [steps][stages]).
 
     Its loop is one `lax.scan` of `steps` steps, each ending with two collective-permutes
-    (activations on, gradients back) that run `steps` times per execution. Step i on a device lasts
-    from the end of step i − 1's later permute to the end of its own (step 0 from the start of the
-    `while` that holds the loop); its work w[i, s] is the compute in it (every category but the
-    collectives and idle: the stage's forward, its backward, the buffer updates). Every stage
-    waits at a step's permutes for the busiest, so
+    (activations on, gradients back) that run `steps` times per loop, a loop per accumulation
+    microstep. Step i on a device lasts from the end of step i − 1's later permute to the end of
+    its own (step 0 from the start of the `while` that holds the loop, or the end of the loop
+    before); its work w[i, s] is the compute in it (every category but the collectives and idle:
+    the stage's forward, its backward, the buffer updates). Every stage waits at a step's permutes
+    for the busiest, so
 
         bubble = 1 − Σ w / (S · Σ_i max_s w[i, s])
 
@@ -327,17 +328,21 @@ def timetable_bubble(by_device: Mapping[str, list[Op]], steps: int, stage_of: Ma
         leaves = [o for o in ops if not o.container]
         loop_time = 0.0
         for run in sorted({run for run, _ in shifts}):
-            loop = [sorted(runs, key=lambda o: o.start)
-                    for (r, _), runs in shifts.items() if r == run and len(runs) == steps]  # fmt: skip
-            if len(loop) != 2:
+            pair = [sorted(runs, key=lambda o: o.start)
+                    for (r, _), runs in shifts.items() if r == run and len(runs) % steps == 0]  # fmt: skip
+            if len(pair) != 2 or len(pair[0]) != len(pair[1]):
                 continue
-            ends = [max(shift[i].end for shift in loop) for i in range(steps)]
-            first = min(shift[0].start for shift in loop)
-            cuts = [max([t for t in whiles if t <= first], default=first), *ends]
-            for i in range(steps):
-                part = partition(leaves, cuts[i], cuts[i + 1])
-                work[i, stage_of[device]].append(sum(part[c] for c in COMPUTE))
-            loop_time += cuts[-1] - cuts[0]
+            for c in range(0, len(pair[0]), steps):  # one loop per accumulation microstep
+                ends = [max(shift[c + i].end for shift in pair) for i in range(steps)]
+                first = min(shift[c].start for shift in pair)
+                begin = max([t for t in whiles if t <= first], default=first)
+                if c:
+                    begin = max(begin, *(shift[c - 1].end for shift in pair))
+                cuts = [begin, *ends]
+                for i in range(steps):
+                    part = partition(leaves, cuts[i], cuts[i + 1])
+                    work[i, stage_of[device]].append(sum(part[k] for k in COMPUTE))
+                loop_time += cuts[-1] - cuts[0]
         if loop_time:
             shares.append(loop_time / window_us)
     stages = len(set(stage_of.values()))
