@@ -1,0 +1,24 @@
+"""Fake CPU devices get twice as many XLA threads as there are devices (jaxllm/__init__.py): with
+only one per device, a 1F1B run whose token count's all-reduce and pipeline permutes were ready at
+once on some devices stopped at its first step, every thread waiting in a rendezvous."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+_POOL = """import os, jaxllm, jax
+jax.devices()
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print(names.count("tf_XLAEigen"))"""
+
+
+@pytest.mark.parametrize("nproc, threads", [(None, 8), ("5", 8), ("12", 12)])
+def test_importing_jaxllm_gives_fake_devices_twice_as_many_xla_threads(nproc, threads):
+    """4 fake devices: a pool of 8 threads, also where PJRT_NPROC asks for fewer; more are kept."""
+    env = {k: v for k, v in os.environ.items() if k != "PJRT_NPROC"}
+    env |= {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env |= {} if nproc is None else {"PJRT_NPROC": nproc}
+    out = subprocess.run([sys.executable, "-c", _POOL], env=env, capture_output=True, text=True, check=True).stdout
+    assert int(out) == max(threads, os.cpu_count() or 1)
