@@ -1,6 +1,6 @@
-"""Fake CPU devices get twice as many XLA threads as there are devices (jaxllm/__init__.py): with
-only one per device, a 1F1B run whose token count's all-reduce and pipeline permutes were ready at
-once on some devices stopped at its first step, every thread waiting in a rendezvous."""
+"""Fake CPU devices get four XLA threads each (jaxllm/__init__.py): with one each, a 1F1B run whose
+token count's all-reduce and pipeline permutes were ready at once on some devices stopped at its
+first step, every thread waiting in a rendezvous."""
 
 import os
 import subprocess
@@ -14,9 +14,9 @@ names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/
 print(names.count("tf_XLAEigen"))"""
 
 
-@pytest.mark.parametrize("nproc, threads", [(None, 8), ("5", 8), ("12", 12)])
-def test_importing_jaxllm_gives_fake_devices_twice_as_many_xla_threads(nproc, threads):
-    """4 fake devices: a pool of 8 threads, also where PJRT_NPROC asks for fewer; more are kept."""
+@pytest.mark.parametrize("nproc, threads", [(None, 16), ("5", 16), ("20", 20)])
+def test_importing_jaxllm_gives_fake_devices_four_xla_threads_each(nproc, threads):
+    """4 fake devices: a pool of 16 threads, also where PJRT_NPROC asks for fewer; more are kept."""
     env = {k: v for k, v in os.environ.items() if k != "PJRT_NPROC"}
     env |= {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     env |= {} if nproc is None else {"PJRT_NPROC": nproc}
