@@ -135,6 +135,24 @@ def summed_loss(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.A
     return jnp.sum((lse - target_logit) * mask.astype(jnp.float32))
 
 
+def split_vocab_loss(model: ModelConfig, head: Params, x: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
+    """`summed_loss(head_logits(model, head, x), targets, mask)` inside a `shard_map` manual over
+    `tensor`, where `head["matrix"]` holds this device's block of the vocabulary (Megatron's
+    vocab-parallel cross-entropy): each device computes its block's logits, and the softmax's max
+    and sum and each target's logit are reduced over `tensor`."""
+    x = layers.norm(x, head["norm"], model.norm, model.norm_eps)
+    logits = jnp.einsum("bte,ev->btv", x, head["matrix"].astype(model.dtype), preferred_element_type=jnp.float32)
+    width = logits.shape[-1]
+    start = jax.lax.axis_index("tensor") * width
+    logits = jnp.where(start + jnp.arange(width) < model.vocab_size, logits, layers.NEG_INF)
+    top = jax.lax.stop_gradient(jax.lax.pmax(jax.lax.stop_gradient(logits).max(axis=-1), "tensor"))
+    lse = top + jnp.log(jax.lax.psum(jnp.exp(logits - top[..., None]).sum(axis=-1), "tensor"))
+    local = targets - start
+    picked = jnp.take_along_axis(logits, jnp.clip(local, 0, width - 1)[..., None], axis=-1)[..., 0]
+    target_logit = jax.lax.psum(jnp.where((local >= 0) & (local < width), picked, 0.0), "tensor")
+    return jnp.sum((lse - target_logit) * mask.astype(jnp.float32))
+
+
 class Decoder(nnx.Module):
     """Decoder-only LM. Initial values are a pure function of the seed in `rngs` (its `params`
     stream's key) and each parameter's path: `Decoder(model, rngs=nnx.Rngs(s))` holds exactly the
@@ -193,15 +211,13 @@ class Decoder(nnx.Module):
 
         stack_fn = partial(scan_groups, graph, self.model.remat)
 
-        def loss_fn(head, out, targets, mask):
+        def forward_loss(groups, head, x, copies, ctx, targets, mask):  # GPipe's loop, forward only
+            out = pipeline_stack(groups, specs, x, ctx, self.schedule, stack_fn, copies)
             return summed_loss(head_logits(self.model, head, out), targets, mask)
 
-        def forward_loss(groups, head, x, copies, ctx, targets, mask):  # GPipe's loop, forward only
-            return loss_fn(head, pipeline_stack(groups, specs, x, ctx, self.schedule, stack_fn, copies), targets, mask)
-
         return scheduled_loss(
-            groups, specs, self._head_params(), x, ctx, targets, mask, self.schedule, stack_fn, loss_fn, copies,
-            forward_loss,
+            groups, specs, self._head_params(), x, ctx, targets, mask, self.schedule, stack_fn,
+            partial(split_vocab_loss, self.model), copies, forward_loss,
         )  # fmt: skip
 
     def extend(

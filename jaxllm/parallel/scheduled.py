@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import Schedule
 from jaxllm.parallel import timetable
-from jaxllm.parallel.collectives import reduce_scatter_sum, to_varying, varying_axes
+from jaxllm.parallel.collectives import all_gather, reduce_scatter_sum, to_varying, varying_axes
 from jaxllm.parallel.pipeline import (
     MANUAL_AXES,
     loop_weight,
@@ -52,9 +52,11 @@ def scheduled_loss(
 ):
     """The loss of `x` (embedded inputs [batch, seq, embed]) through the stages, summed over the
     microbatches of `loss_fn(head, out, targets, mask)`, the last virtual stage's output `out`
-    through the head; differentiable in `groups` (fp32, pipeline view), `head` (a dict of fp32
-    arrays) and `x`. `targets` and `mask` are [batch, seq]. Where nothing differentiates it (an
-    evaluation), `forward_loss` (the same arguments) computes it without the backwards."""
+    through the head, whose `head["matrix"]` [embed, vocab] is split over `tensor` along the
+    vocabulary (`out`, `targets` and `mask` whole along the sequence); differentiable in `groups`
+    (fp32, pipeline view), `head` (a dict of fp32 arrays) and `x`. `targets` and `mask` are [batch,
+    seq]. Where nothing differentiates it (an evaluation), `forward_loss` (the same arguments)
+    computes it without the backwards."""
 
     @jax.custom_vjp
     def loss(groups, head, x, copies, ctx, targets, mask):
@@ -83,7 +85,10 @@ def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_
     copy_specs = jax.tree.map(lambda a: spec_of(*a, rules=GATHERED_RULES), axes, is_leaf=is_axes)
     micro_spec = spec_of(None, *RESIDUAL, rules=active_rules())  # [M, mb, seq, embed]
     token_spec = P(None, micro_spec[1], micro_spec[2])
-    out_spec = P(None, micro_spec[1], (*as_tuple(micro_spec[2]), "stage"))
+    seq_axes = as_tuple(micro_spec[2])  # the sequence's split in the loop: `tensor`'s under sequence parallelism
+    # The head's vocabulary split over `tensor`, as outside the loop: no device holds it whole.
+    head_specs = jax.tree.map(lambda _: P(), head) | {"matrix": P(None, "tensor")}
+    out_spec = P(None, micro_spec[1], (*seq_axes, "stage"))
     split = partial(split_microbatches, m=m)
     micro, ctx_micro = split(x), jax.tree.map(split, ctx._replace(dropout=None))
     to_next = [(j, (j + 1) % s) for j in range(s)]
@@ -102,7 +107,7 @@ def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_
         head = jax.tree.map(lambda h: varying_like(h, micro), head)
         grad_axes = jax.tree.map(lambda c: varying_axes(c) | varying_axes(micro), copies)
         grads = jax.tree.map(lambda c, a: _varying_over(jnp.zeros(c.shape, jnp.float32), a), copies, grad_axes)
-        head_grads = jax.tree.map(lambda h: varying_like(jnp.zeros(h.shape, jnp.float32), micro), head)
+        head_grads = jax.tree.map(lambda h: varying_like(jnp.zeros(h.shape, jnp.float32), h), head)
         xbuf = varying_like(jnp.zeros((table.x_slots + 1, *micro.shape[1:]), micro.dtype), micro)
         gbuf = varying_like(jnp.zeros((table.g_slots + 1, *micro.shape[1:]), micro.dtype), micro)
         total = varying_like(jnp.zeros((), jnp.float32), micro)
@@ -116,6 +121,22 @@ def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_
         def stage_input(xbuf, micro, slot, chunk, j):
             """Virtual stage 0 reads the embedded batch; every other its stashed input."""
             return jnp.where((stage == 0) & (chunk == 0), micro[j], xbuf[slot])
+
+        # Under sequence parallelism each `tensor` device holds a slice of the sequence, and the
+        # vocabulary-split loss needs it whole: every one of them then computes the whole loss.
+        loss_copies = jax.lax.axis_size(seq_axes) if seq_axes else 1
+
+        def whole(a):  # an activation gathered; the backward scatters its gradient back
+            return all_gather(a, seq_axes, 1) if seq_axes else a
+
+        def whole_tokens(a):
+            """Targets or mask placed in a zero sequence and summed: alike on every device by type
+            too, so that the loss's gradient is not taken as one per device and summed over them."""
+            if not seq_axes:
+                return a
+            start = jax.lax.axis_index(seq_axes) * a.shape[1]
+            zeros = jnp.zeros((a.shape[0], a.shape[1] * loss_copies), a.dtype)
+            return jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(zeros, a, start, 1), seq_axes)
 
         def back(carry, unit, x_slot, g_slot):
             xbuf, gbuf, micro, grads, head_grads, total = carry
@@ -146,10 +167,13 @@ def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_
 
             def with_loss(carry):
                 gbuf, head_grads, total = carry
-                value, vjp = jax.vjp(lambda head, out: loss_fn(head, out, targets[j], mask[j]), head, out)
+                value, vjp = jax.vjp(
+                    lambda head, out: loss_fn(head, whole(out), whole_tokens(targets[j]), whole_tokens(mask[j])),
+                    head, out,
+                )  # fmt: skip
                 dhead, dout = vjp(jnp.ones_like(value))
                 head_grads = jax.tree.map(lambda g, d: g + varying_like(d, g), head_grads, dhead)
-                return gbuf.at[loss_slot].set(dout), head_grads, total + varying_like(value, total)
+                return gbuf.at[loss_slot].set(dout), head_grads, total + varying_like(value, total) / loss_copies
 
             is_last = (stage == last[0]) & (chunk == last[1])
             gbuf, head_grads, total = jax.lax.cond(is_last, with_loss, lambda c: c, (gbuf, head_grads, total))
@@ -180,7 +204,11 @@ def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_
         carry = (xbuf, gbuf, micro, grads, head_grads, total)
         (_, _, micro, grads, head_grads, total), _ = jax.lax.scan(step, carry, columns)
         grads = jax.tree.map(lambda g, spec: reduced_grad(g, P(*spec[1:]))[None], grads, shard_specs)
-        head_grads = jax.tree.map(lambda g: jax.lax.psum(g, tuple(sorted(varying_axes(g)))), head_grads)
+        # Summed over the devices that hold the same block of the head; the blocks along `tensor` stay apart
+        head_grads = jax.tree.map(
+            lambda g, spec: jax.lax.psum(g, tuple(sorted(varying_axes(g) - {a for p in spec for a in as_tuple(p)}))),
+            head_grads, head_specs,
+        )  # fmt: skip
         total = jax.lax.psum(total, tuple(sorted(varying_axes(total))))
         # Stage 0's buffer now holds the input gradients; each stage keeps a 1/S slice of the sequence.
         dx = reduce_scatter_sum(jnp.where(stage == 0, micro, jnp.zeros_like(micro)), "stage", 2)
@@ -188,8 +216,8 @@ def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_
 
     run = jax.shard_map(
         one_stage,
-        in_specs=(copy_specs, P(), micro_spec, P(None, micro_spec[1]), token_spec, token_spec, P()),
-        out_specs=(P(), shard_specs, P(), out_spec),
+        in_specs=(copy_specs, head_specs, micro_spec, P(None, micro_spec[1]), token_spec, token_spec, P()),
+        out_specs=(P(), shard_specs, head_specs, out_spec),
         axis_names=MANUAL_AXES,
     )
     total, grads, head_grads, dx = run(copies, head, micro, ctx_micro, split(targets), split(mask), ctx.dropout)

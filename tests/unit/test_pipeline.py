@@ -162,6 +162,18 @@ def test_head_and_loss_run_once_on_a_slice_of_the_sequence_per_stage():
     assert f"f32[{rows},{cfg.train.seq_len},{vocab}]" not in text, "logits for the whole sequence on a stage"
 
 
+def test_table_schedules_split_the_heads_vocabulary_over_tensor_inside_the_loop():
+    """1F1B with tensor 2 and sequence parallelism: the loop computes each microbatch's logits over
+    the whole sequence for half the vocabulary, and no device holds the whole head matrix."""
+    cfg = _config(2, 2, 1, dict(tensor=2, data=2, schedule="1f1b", sequence_parallel=True))
+    text, _ = _compiled(cfg, compile_train_step)
+    rows = cfg.train.batch_size // cfg.parallel.data // cfg.parallel.microbatches
+    seq, vocab, hidden = cfg.train.seq_len, cfg.model.padded_vocab, cfg.model.hidden
+    assert f"f32[{rows},{seq},{vocab // 2}]" in text, "a microbatch's logits for half the vocabulary"
+    assert f"[{rows},{seq},{vocab}]" not in text and f"[{rows},{seq // 2},{vocab}]" not in text
+    assert f"f32[{hidden},{vocab}]" not in text, "the whole head matrix on a device"
+
+
 def test_schedules_compiled_temporaries():
     """S=4, M=16, compiled temporaries per device. The circular schedule's delay line holds M − S = 12
     microbatches; if the backward pass kept it for each of its 35 iterations, R=2 would need 3.5×
