@@ -29,7 +29,7 @@ from jaxllm.model.params import Params, declare, init_params, params_of, specs_o
 from jaxllm.parallel.pipeline import gather_stage_weights, pipeline_stack
 from jaxllm.parallel.rules import AXIS_RULES, constrain
 from jaxllm.parallel.scheduled import scheduled_loss
-from jaxllm.parallel.tensor_parallel import RESIDUAL
+from jaxllm.parallel.tensor_parallel import RESIDUAL, vocab_split_summed_loss
 
 # Activations that the 'selective' policy keeps (and 'offload' moves to host) instead of recomputing.
 SAVED_NAMES = ("layer_input", "qkv_proj", "attn_out", "mlp_in", "mlp_out")
@@ -118,13 +118,17 @@ def scan_groups(graph: nnx.GraphDef, remat: str, groups: Params, x: jax.Array, c
     return x
 
 
-def head_logits(model: ModelConfig, head: Params, x: jax.Array) -> jax.Array:
-    """fp32 logits [batch, seq, padded_vocab] of the final norm's `head["norm"]` and the output
-    projection `head["matrix"]`; padded vocab entries are masked to NEG_INF."""
+def head_projection(model: ModelConfig, head: Params, x: jax.Array) -> jax.Array:
+    """fp32 logits of the final norm's `head["norm"]` and the output projection `head["matrix"]`,
+    over the vocabulary the matrix holds (all of it, or a device's block), padding unmasked."""
     x = layers.norm(x, head["norm"], model.norm, model.norm_eps)
-    matrix = head["matrix"].astype(model.dtype)
-    logits = jnp.einsum("bte,ev->btv", x, matrix, preferred_element_type=jnp.float32)
-    logits = constrain(logits, "batch", "head_seq", "vocab")
+    return jnp.einsum("bte,ev->btv", x, head["matrix"].astype(model.dtype), preferred_element_type=jnp.float32)
+
+
+def head_logits(model: ModelConfig, head: Params, x: jax.Array) -> jax.Array:
+    """fp32 logits [batch, seq, padded_vocab] (`head_projection`); padded vocab entries are masked
+    to NEG_INF."""
+    logits = constrain(head_projection(model, head, x), "batch", "head_seq", "vocab")
     return jnp.where(jnp.arange(model.padded_vocab) < model.vocab_size, logits, layers.NEG_INF)
 
 
@@ -132,24 +136,6 @@ def summed_loss(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.A
     """Next-token cross-entropy of `targets` [batch, seq] summed over the tokens `mask` weighs, in fp32."""
     lse = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.sum((lse - target_logit) * mask.astype(jnp.float32))
-
-
-def split_vocab_loss(model: ModelConfig, head: Params, x: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
-    """`summed_loss(head_logits(model, head, x), targets, mask)` inside a `shard_map` manual over
-    `tensor`, where `head["matrix"]` holds this device's block of the vocabulary (Megatron's
-    vocab-parallel cross-entropy): each device computes its block's logits, and the softmax's max
-    and sum and each target's logit are reduced over `tensor`."""
-    x = layers.norm(x, head["norm"], model.norm, model.norm_eps)
-    logits = jnp.einsum("bte,ev->btv", x, head["matrix"].astype(model.dtype), preferred_element_type=jnp.float32)
-    width = logits.shape[-1]
-    start = jax.lax.axis_index("tensor") * width
-    logits = jnp.where(start + jnp.arange(width) < model.vocab_size, logits, layers.NEG_INF)
-    top = jax.lax.stop_gradient(jax.lax.pmax(jax.lax.stop_gradient(logits).max(axis=-1), "tensor"))
-    lse = top + jnp.log(jax.lax.psum(jnp.exp(logits - top[..., None]).sum(axis=-1), "tensor"))
-    local = targets - start
-    picked = jnp.take_along_axis(logits, jnp.clip(local, 0, width - 1)[..., None], axis=-1)[..., 0]
-    target_logit = jax.lax.psum(jnp.where((local >= 0) & (local < width), picked, 0.0), "tensor")
     return jnp.sum((lse - target_logit) * mask.astype(jnp.float32))
 
 
@@ -217,7 +203,7 @@ class Decoder(nnx.Module):
 
         return scheduled_loss(
             groups, specs, self._head_params(), x, ctx, targets, mask, self.schedule, stack_fn,
-            partial(split_vocab_loss, self.model), copies, forward_loss,
+            self._vocab_split_loss, copies, forward_loss,
         )  # fmt: skip
 
     def extend(
@@ -247,6 +233,11 @@ class Decoder(nnx.Module):
     def _head_params(self) -> Params:
         matrix = self.embed.get_value().T if self.model.tie_embeddings else self.lm_head.get_value()
         return {"norm": params_of(self.final_norm), "matrix": matrix}
+
+    def _vocab_split_loss(self, head: Params, x: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
+        """The loss inside a pipeline loop, where `head["matrix"]` is this device's vocabulary block."""
+        logits = head_projection(self.model, head, x)
+        return vocab_split_summed_loss(logits, targets, mask, self.model.vocab_size, layers.NEG_INF)
 
     def _head(self, x: jax.Array) -> jax.Array:
         return head_logits(self.model, self._head_params(), x)

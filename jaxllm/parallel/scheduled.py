@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import Schedule
 from jaxllm.parallel import timetable
-from jaxllm.parallel.collectives import all_gather, reduce_scatter_sum, to_varying, varying_axes
+from jaxllm.parallel.collectives import all_gather, reduce_scatter_sum, to_varying, varying_axes, varying_over
 from jaxllm.parallel.pipeline import (
     MANUAL_AXES,
     loop_weight,
@@ -40,11 +40,6 @@ from jaxllm.parallel.rules import GATHERED_RULES, active_rules, as_tuple, is_axe
 from jaxllm.parallel.schedule import split_microbatches
 from jaxllm.parallel.tensor_parallel import RESIDUAL
 from jaxllm.parallel.timetable import IDLE
-
-
-def _varying_over(x: jax.Array, axes: frozenset[str]) -> jax.Array:
-    missing = tuple(sorted(axes - varying_axes(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def scheduled_loss(
@@ -84,8 +79,8 @@ def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_
     shard_specs = jax.tree.map(lambda a: spec_of(*a), axes, is_leaf=is_axes)
     copy_specs = jax.tree.map(lambda a: spec_of(*a, rules=GATHERED_RULES), axes, is_leaf=is_axes)
     micro_spec = spec_of(None, *RESIDUAL, rules=active_rules())  # [M, mb, seq, embed]
-    token_spec = P(None, micro_spec[1], micro_spec[2])
     seq_axes = as_tuple(micro_spec[2])  # the sequence's split in the loop: `tensor`'s under sequence parallelism
+    token_spec = P(None, micro_spec[1])  # targets and mask whole along the sequence, as the loss reads them
     # The head's vocabulary split over `tensor`, as outside the loop: no device holds it whole.
     head_specs = jax.tree.map(lambda _: P(), head) | {"matrix": P(None, "tensor")}
     out_spec = P(None, micro_spec[1], (*seq_axes, "stage"))
@@ -106,11 +101,13 @@ def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_
         # some stages skip (a collective there would wait for them forever).
         head = jax.tree.map(lambda h: varying_like(h, micro), head)
         grad_axes = jax.tree.map(lambda c: varying_axes(c) | varying_axes(micro), copies)
-        grads = jax.tree.map(lambda c, a: _varying_over(jnp.zeros(c.shape, jnp.float32), a), copies, grad_axes)
+        zeros = jax.tree.map(lambda c: jnp.zeros(c.shape, jnp.float32), copies)
+        grads = jax.tree.map(lambda z, a: varying_over(z, tuple(sorted(a))), zeros, grad_axes)
         head_grads = jax.tree.map(lambda h: varying_like(jnp.zeros(h.shape, jnp.float32), h), head)
         xbuf = varying_like(jnp.zeros((table.x_slots + 1, *micro.shape[1:]), micro.dtype), micro)
         gbuf = varying_like(jnp.zeros((table.g_slots + 1, *micro.shape[1:]), micro.dtype), micro)
-        total = varying_like(jnp.zeros((), jnp.float32), micro)
+        # Every device of a sequence's split computes the same whole loss: it is summed once.
+        total = varying_over(jnp.zeros((), jnp.float32), tuple(sorted(varying_axes(micro) - set(seq_axes))))
 
         def context(unit):
             chunk, j = unit // m, unit % m
@@ -122,21 +119,8 @@ def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_
             """Virtual stage 0 reads the embedded batch; every other its stashed input."""
             return jnp.where((stage == 0) & (chunk == 0), micro[j], xbuf[slot])
 
-        # Under sequence parallelism each `tensor` device holds a slice of the sequence, and the
-        # vocabulary-split loss needs it whole: every one of them then computes the whole loss.
-        loss_copies = jax.lax.axis_size(seq_axes) if seq_axes else 1
-
-        def whole(a):  # an activation gathered; the backward scatters its gradient back
+        def whole(a):  # the last stage's output whole along the sequence; the backward scatters its gradient back
             return all_gather(a, seq_axes, 1) if seq_axes else a
-
-        def whole_tokens(a):
-            """Targets or mask placed in a zero sequence and summed: alike on every device by type
-            too, so that the loss's gradient is not taken as one per device and summed over them."""
-            if not seq_axes:
-                return a
-            start = jax.lax.axis_index(seq_axes) * a.shape[1]
-            zeros = jnp.zeros((a.shape[0], a.shape[1] * loss_copies), a.dtype)
-            return jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(zeros, a, start, 1), seq_axes)
 
         def back(carry, unit, x_slot, g_slot):
             xbuf, gbuf, micro, grads, head_grads, total = carry
@@ -152,7 +136,7 @@ def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_
             _, vjp = jax.vjp(apply, sinks, inputs)
             dsinks, dx = vjp(gbuf[g_slot])
             grads = jax.tree.map(
-                lambda g, d, a: g.at[chunk].add(_varying_over(d, a)), grads, dsinks, grad_axes
+                lambda g, d, a: g.at[chunk].add(varying_over(d, tuple(sorted(a)))), grads, dsinks, grad_axes
             )
             first = (stage == 0) & (chunk == 0)  # its input gradient is the embedding's
             micro = micro.at[j].set(jnp.where(first, dx, micro[j]))
@@ -167,13 +151,10 @@ def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_
 
             def with_loss(carry):
                 gbuf, head_grads, total = carry
-                value, vjp = jax.vjp(
-                    lambda head, out: loss_fn(head, whole(out), whole_tokens(targets[j]), whole_tokens(mask[j])),
-                    head, out,
-                )  # fmt: skip
+                value, vjp = jax.vjp(lambda head, out: loss_fn(head, whole(out), targets[j], mask[j]), head, out)
                 dhead, dout = vjp(jnp.ones_like(value))
                 head_grads = jax.tree.map(lambda g, d: g + varying_like(d, g), head_grads, dhead)
-                return gbuf.at[loss_slot].set(dout), head_grads, total + varying_like(value, total) / loss_copies
+                return gbuf.at[loss_slot].set(dout), head_grads, total + varying_like(value, total)
 
             is_last = (stage == last[0]) & (chunk == last[1])
             gbuf, head_grads, total = jax.lax.cond(is_last, with_loss, lambda c: c, (gbuf, head_grads, total))
