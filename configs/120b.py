@@ -5,7 +5,7 @@ Why these numbers:
   80 layers store ≈119.0B parameters (117.8B in the layers); each layer still applies the shared QKV,
   so training costs 6 × 145.6B FLOPs per token, like Megatron's 145.6B GPT.
 - The 1200 layers sometimes quoted for this model would be ≈1.77T parameters at this width.
-- Layout: tensor 8 inside each NVLink node, fsdp 8 across the nodes, no pipeline. Of the 103 layouts that
+- Layout: tensor 8 inside each NVLink node, fsdp 8 across the nodes, no pipeline. Of the 108 layouts that
   fit (`python -m jaxllm.plan --config configs/120b.py --search --gpus 64 --device a100-80gb`), it is 5th,
   within 1 % of the fastest estimate: 11.7 s a step, 49.5 % MFU, against 16.3 s and 35.6 % for
   tensor 8 × stage 4 × fsdp 2 with 32 microbatches. The pipeline pays its 3/35 bubble and runs at

@@ -5,9 +5,9 @@ beside its analytic bubble, at 4 stages × 8 microbatches (2 chunks for circular
     python scripts/bench_bubble.py [--steps 3]
 
 The model is tiny (8 layers of width 64): a stage's work is a few matmuls, and the head and the
-loss, which the timetable-driven schedules run on the last stage inside the loop, cost about as
-much as that stage's forward of two layers, so they add to those schedules' bubble what the
-analytic one counts as nothing. On fake CPU devices, 8 share the host's cores.
+loss cost about as much as a stage's forward of two layers. GPipe and circular run them after the
+loop; the timetable-driven schedules inside it, each stage on its block of the vocabulary, in the
+steps where the last stage forwards. On fake CPU devices, 8 share the host's cores.
 """
 
 from __future__ import annotations

@@ -83,6 +83,12 @@ def validate(cfg: RunConfig, num_devices: int, backend: str | None = None) -> tu
     data, fsdp, stage, tensor = shape
     validate_tensor(m, tensor, "parallel.tensor")
     require(
+        p.schedule not in TABLE_SCHEDULES or stage == 1 or m.padded_vocab % (stage * tensor) == 0,
+        f"padded vocab {m.padded_vocab} (model.vocab_size rounded up to model.vocab_pad_multiple) is not divisible "
+        f"by parallel.stage×tensor={stage}×{tensor}: parallel.schedule={p.schedule} splits the head's vocabulary "
+        f"over both; set model.vocab_pad_multiple to a multiple of {stage * tensor}",
+    )
+    require(
         m.hidden % fsdp == 0,
         f"model.hidden={m.hidden} is not divisible by parallel.fsdp={fsdp}; choose an fsdp size that divides it",
     )

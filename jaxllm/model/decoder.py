@@ -234,10 +234,11 @@ class Decoder(nnx.Module):
         matrix = self.embed.get_value().T if self.model.tie_embeddings else self.lm_head.get_value()
         return {"norm": params_of(self.final_norm), "matrix": matrix}
 
-    def _vocab_split_loss(self, head: Params, x: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
-        """The loss inside a pipeline loop, where `head["matrix"]` is this device's vocabulary block."""
+    def _vocab_split_loss(self, head: Params, x: jax.Array, targets: jax.Array, mask: jax.Array, axes) -> jax.Array:
+        """The loss inside a pipeline loop, where `head["matrix"]` is this device's block of the
+        vocabulary split over the mesh `axes`."""
         logits = head_projection(self.model, head, x)
-        return vocab_split_summed_loss(logits, targets, mask, self.model.vocab_size, layers.NEG_INF)
+        return vocab_split_summed_loss(logits, targets, mask, self.model.vocab_size, layers.NEG_INF, axes)
 
     def _head(self, x: jax.Array) -> jax.Array:
         return head_logits(self.model, self._head_params(), x)

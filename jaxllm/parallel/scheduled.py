@@ -3,13 +3,18 @@ and backwards of different microbatches interleave, so a stage holds a few micro
 flight where GPipe holds all M.
 
 Such a loop cannot be JAX's transpose of a forward loop: a microbatch's backward starts before the
-last microbatch's forward. So the head and the loss run inside it, on the last virtual stage, and
-one `lax.scan` inside a `shard_map` (manual over every mesh axis) computes the loss and every
-gradient at once: in each step a stage back-propagates one work unit (recomputing its forward from
-the stashed input, as GPipe's rematerialised iterations do) and forwards another, then hands
-activations on and gradients back with one `ppermute` each. A `custom_vjp` makes the result an
-ordinary differentiable function of the stage weights, the head and the embedded inputs, whose
-backward pass only scales the gradients it already holds.
+last microbatch's forward. So the head and the loss run inside it, and one `lax.scan` inside a
+`shard_map` (manual over every mesh axis) computes the loss and every gradient at once: in each
+step a stage back-propagates one work unit (recomputing its forward from the stashed input, as
+GPipe's rematerialised iterations do) and forwards another, then hands activations on and
+gradients back with one `ppermute` each. In a step where the last virtual stage forwards, every
+stage takes its output and computes the loss on its block of the head's vocabulary, split over
+`stage` × `tensor` (a vocab-parallel cross-entropy, as in "Balancing Pipeline Parallelism with
+Vocabulary Parallelism"): the head costs each stage 1/S of itself, where on the last stage alone
+it would lengthen every step that stage forwards, and no device holds more than its block of the
+head and the block's fp32 gradient sum. A `custom_vjp` makes the result an ordinary
+differentiable function of the stage weights, the head and the embedded inputs, whose backward
+pass only scales the gradients it already holds.
 
 Weights as in `pipeline.py`: the loop computes with the compute-dtype `copies` gathered once per
 step; each backward's weight gradients reach fp32 sinks (never rounded to bf16) and add up per
@@ -41,14 +46,17 @@ from jaxllm.parallel.schedule import split_microbatches
 from jaxllm.parallel.tensor_parallel import RESIDUAL
 from jaxllm.parallel.timetable import IDLE
 
+# The head's vocabulary inside the loop: each `tensor` block, as the head is stored, split over the stages.
+VOCAB_AXES = ("tensor", "stage")
+
 
 def scheduled_loss(
     groups, specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_fn, copies, forward_loss
 ):
     """The loss of `x` (embedded inputs [batch, seq, embed]) through the stages, summed over the
-    microbatches of `loss_fn(head, out, targets, mask)`, the last virtual stage's output `out`
-    through the head, whose `head["matrix"]` [embed, vocab] is split over `tensor` along the
-    vocabulary (`out`, `targets` and `mask` whole along the sequence); differentiable in `groups`
+    microbatches of `loss_fn(head, out, targets, mask, VOCAB_AXES)`, the last virtual stage's output
+    `out` through the head, whose `head["matrix"]` [embed, vocab] is split over `VOCAB_AXES` along
+    the vocabulary (`out`, `targets` and `mask` whole along the sequence); differentiable in `groups`
     (fp32, pipeline view), `head` (a dict of fp32 arrays) and `x`. `targets` and `mask` are [batch,
     seq]. Where nothing differentiates it (an evaluation), `forward_loss` (the same arguments)
     computes it without the backwards."""
@@ -81,8 +89,7 @@ def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_
     micro_spec = spec_of(None, *RESIDUAL, rules=active_rules())  # [M, mb, seq, embed]
     seq_axes = as_tuple(micro_spec[2])  # the sequence's split in the loop: `tensor`'s under sequence parallelism
     token_spec = P(None, micro_spec[1])  # targets and mask whole along the sequence, as the loss reads them
-    # The head's vocabulary split over `tensor`, as outside the loop: no device holds it whole.
-    head_specs = jax.tree.map(lambda _: P(), head) | {"matrix": P(None, "tensor")}
+    head_specs = jax.tree.map(lambda _: P(), head) | {"matrix": P(None, VOCAB_AXES)}
     out_spec = P(None, micro_spec[1], (*seq_axes, "stage"))
     split = partial(split_microbatches, m=m)
     micro, ctx_micro = split(x), jax.tree.map(split, ctx._replace(dropout=None))
@@ -106,8 +113,9 @@ def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_
         head_grads = jax.tree.map(lambda h: varying_like(jnp.zeros(h.shape, jnp.float32), h), head)
         xbuf = varying_like(jnp.zeros((table.x_slots + 1, *micro.shape[1:]), micro.dtype), micro)
         gbuf = varying_like(jnp.zeros((table.g_slots + 1, *micro.shape[1:]), micro.dtype), micro)
-        # Every device of a sequence's split computes the same whole loss: it is summed once.
-        total = varying_over(jnp.zeros((), jnp.float32), tuple(sorted(varying_axes(micro) - set(seq_axes))))
+        # Every stage, and every device of a sequence's split, computes the same whole loss: it is summed once.
+        total_axes = varying_axes(micro) - set(seq_axes) - {"stage"}
+        total = varying_over(jnp.zeros((), jnp.float32), tuple(sorted(total_axes)))
 
         def context(unit):
             chunk, j = unit // m, unit % m
@@ -142,23 +150,26 @@ def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_
             micro = micro.at[j].set(jnp.where(first, dx, micro[j]))
             return (xbuf, gbuf, micro, grads, head_grads, total), dx
 
-        def fore(carry, unit, x_slot, loss_slot):
+        def fore(carry, unit, x_slot):
             xbuf, gbuf, micro, grads, head_grads, total = carry
             chunk, j, unit_ctx = context(unit)
             inputs = stage_input(xbuf, micro, x_slot, chunk, j)
             weights = jax.tree.map(lambda c: c[chunk], copies)
-            out = stack_fn(weights, inputs, unit_ctx)
+            return carry, stack_fn(weights, inputs, unit_ctx)
 
-            def with_loss(carry):
-                gbuf, head_grads, total = carry
-                value, vjp = jax.vjp(lambda head, out: loss_fn(head, whole(out), targets[j], mask[j]), head, out)
-                dhead, dout = vjp(jnp.ones_like(value))
-                head_grads = jax.tree.map(lambda g, d: g + varying_like(d, g), head_grads, dhead)
-                return gbuf.at[loss_slot].set(dout), head_grads, total + varying_like(value, total)
-
-            is_last = (stage == last[0]) & (chunk == last[1])
-            gbuf, head_grads, total = jax.lax.cond(is_last, with_loss, lambda c: c, (gbuf, head_grads, total))
-            return (xbuf, gbuf, micro, grads, head_grads, total), out
+        def with_loss(carry, sent_x, unit, loss_slot):
+            """Every stage's share of the loss of the last virtual stage's output `sent_x` (on the
+            last stage), the gradient of that output to the last stage's `loss_slot`."""
+            xbuf, gbuf, micro, grads, head_grads, total = carry
+            j = unit % m
+            out = jax.lax.psum(jnp.where(stage == last[0], sent_x, jnp.zeros_like(sent_x)), "stage")
+            value, vjp = jax.vjp(
+                lambda head, out: loss_fn(head, whole(out), targets[j], mask[j], VOCAB_AXES), head, out
+            )
+            dhead, dout = vjp(jnp.ones_like(value))
+            head_grads = jax.tree.map(lambda g, d: g + varying_like(d, g), head_grads, dhead)
+            gbuf = gbuf.at[loss_slot].set(varying_like(dout, gbuf))
+            return xbuf, gbuf, micro, grads, head_grads, total + varying_like(value, total)
 
         def step(carry, row):
             forward, backward, forward_x, backward_x, backward_g, received_x, received_g, loss_g = (
@@ -173,8 +184,16 @@ def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_
             )
             carry, sent_x = jax.lax.cond(
                 forward != IDLE,
-                lambda c: fore(c, forward, forward_x, loss_g),
+                lambda c: fore(c, forward, forward_x),
                 lambda c: (c, idle),
+                carry,
+            )
+            # The same on every device (the table's row is), so every stage joins the loss's collectives.
+            final = row[0][last[0]]  # the last stage's forward
+            carry = jax.lax.cond(
+                (final != IDLE) & (final // m == last[1]),
+                lambda c: with_loss(c, sent_x, final, loss_g),
+                lambda c: c,
                 carry,
             )
             xbuf, gbuf, *rest = carry
@@ -185,11 +204,17 @@ def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_
         carry = (xbuf, gbuf, micro, grads, head_grads, total)
         (_, _, micro, grads, head_grads, total), _ = jax.lax.scan(step, carry, columns)
         grads = jax.tree.map(lambda g, spec: reduced_grad(g, P(*spec[1:]))[None], grads, shard_specs)
-        # Summed over the devices that hold the same block of the head; the blocks along `tensor` stay apart
+        # Summed over the devices that hold the same block of the head, then each `tensor` block put
+        # together from its stages' blocks: it leaves as the head is stored, which XLA then slices
+        # (from blocks over `stage` it would rebuild the whole matrix on every device to re-split it).
         head_grads = jax.tree.map(
             lambda g, spec: jax.lax.psum(g, tuple(sorted(varying_axes(g) - {a for p in spec for a in as_tuple(p)}))),
             head_grads, head_specs,
         )  # fmt: skip
+        width = head_grads["matrix"].shape[1]
+        joined = jnp.zeros((head_grads["matrix"].shape[0], width * s), jnp.float32)
+        joined = jax.lax.dynamic_update_slice_in_dim(joined, head_grads["matrix"], stage * width, 1)
+        head_grads["matrix"] = jax.lax.psum(joined, "stage")
         total = jax.lax.psum(total, tuple(sorted(varying_axes(total))))
         # Stage 0's buffer now holds the input gradients; each stage keeps a 1/S slice of the sequence.
         dx = reduce_scatter_sum(jnp.where(stage == 0, micro, jnp.zeros_like(micro)), "stage", 2)
@@ -198,7 +223,7 @@ def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_
     run = jax.shard_map(
         one_stage,
         in_specs=(copy_specs, head_specs, micro_spec, P(None, micro_spec[1]), token_spec, token_spec, P()),
-        out_specs=(P(), shard_specs, head_specs, out_spec),
+        out_specs=(P(), shard_specs, head_specs | {"matrix": P(None, "tensor")}, out_spec),
         axis_names=MANUAL_AXES,
     )
     total, grads, head_grads, dx = run(copies, head, micro, ctx_micro, split(targets), split(mask), ctx.dropout)

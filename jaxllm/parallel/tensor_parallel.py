@@ -82,19 +82,19 @@ def tensor_parallel(fn: Callable, *arg_axes: Any, kept_axes: tuple = (), split_b
 
 
 def vocab_split_summed_loss(
-    logits: jax.Array, targets: jax.Array, mask: jax.Array, vocab_size: int, masked: float
+    logits: jax.Array, targets: jax.Array, mask: jax.Array, vocab_size: int, masked: float, axes=("tensor",)
 ) -> jax.Array:
     """Next-token cross-entropy of `targets` summed over the tokens `mask` weighs, inside a region
-    manual over `tensor` whose `logits` [batch, seq, block] are this device's block of the padded
-    vocabulary, entries past `vocab_size` set to `masked` (Megatron's vocab-parallel cross-entropy):
-    the softmax's max and sum and each target's logit are reduced over `tensor`, so no device holds
-    a row of logits whole."""
+    manual over the mesh `axes` whose `logits` [batch, seq, block] are this device's block of the
+    padded vocabulary (blocks in the order of `axes`, major first), entries past `vocab_size` set
+    to `masked` (Megatron's vocab-parallel cross-entropy): the softmax's max and sum and each
+    target's logit are reduced over `axes`, so no device holds a row of logits whole."""
     width = logits.shape[-1]
-    start = jax.lax.axis_index("tensor") * width
+    start = jax.lax.axis_index(axes) * width
     logits = jnp.where(start + jnp.arange(width) < vocab_size, logits, masked)
-    top = jax.lax.stop_gradient(jax.lax.pmax(jax.lax.stop_gradient(logits).max(axis=-1), "tensor"))
-    lse = top + jnp.log(jax.lax.psum(jnp.exp(logits - top[..., None]).sum(axis=-1), "tensor"))
+    top = jax.lax.stop_gradient(jax.lax.pmax(jax.lax.stop_gradient(logits).max(axis=-1), axes))
+    lse = top + jnp.log(jax.lax.psum(jnp.exp(logits - top[..., None]).sum(axis=-1), axes))
     local = targets - start
     picked = jnp.take_along_axis(logits, jnp.clip(local, 0, width - 1)[..., None], axis=-1)[..., 0]
-    target_logit = jax.lax.psum(jnp.where((local >= 0) & (local < width), picked, 0.0), "tensor")
+    target_logit = jax.lax.psum(jnp.where((local >= 0) & (local < width), picked, 0.0), axes)
     return jnp.sum((lse - target_logit) * mask.astype(jnp.float32))

@@ -55,6 +55,12 @@ class Timetable(NamedTuple):
         return self.forward.shape[0]
 
     @property
+    def loss_steps(self) -> np.ndarray:
+        """[steps]: where the last virtual stage forwards, and every stage computes its share of the
+        loss (`scheduled.py`); the stages' loss work is the same, so it adds no bubble."""
+        return self.loss_g[:, -1] != self.g_slots
+
+    @property
     def held(self) -> np.ndarray:
         """The most work units each stage holds in flight at once, [stages]."""
         live = np.cumsum(self.forward != IDLE, axis=0) - np.cumsum(self.backward != IDLE, axis=0)

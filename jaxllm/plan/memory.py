@@ -123,8 +123,8 @@ def memory(cfg: RunConfig) -> dict[str, float]:
         gathered = _per_device_bytes(groups, GATHERED_RULES, mesh, compute)
         gathered += _per_device_bytes(trained_groups, GATHERED_RULES, mesh, fp32)
     table = schedule is not None and schedule.kind in TABLE_SCHEDULES
-    if table:  # the head runs inside the loop, its vocabulary split over `tensor`, with an fp32 gradient sum
-        gathered += 2 * m.hidden * m.padded_vocab // sizes["tensor"] * 4
+    if table:  # the head runs inside the loop, its vocabulary split over stage × tensor, with an fp32 gradient sum
+        gathered += 2 * m.hidden * m.padded_vocab // (sizes["tensor"] * sizes["stage"]) * 4
     out["gathered weights + their fp32 gradient"] = gathered
     data, tensor, stage = sizes["data"] * sizes["fsdp"], sizes["tensor"], sizes["stage"]
     rows = t.batch_size // data // t.grad_accum_steps  # sequences per device per microstep
@@ -145,8 +145,8 @@ def memory(cfg: RunConfig) -> dict[str, float]:
     # rebuilt internals (below) are all it holds, whatever the remat policy.
     stashed = 0 if schedule and layers <= m.qkv_share_every else layers
     out[f"activations (remat {m.remat})"] = edges + stashed * tokens * stash
-    if table:  # one microbatch's logits on the last stage, the whole sequence on a block of the vocabulary
-        logits = tokens * m.padded_vocab // tensor * 4 * 2
+    if table:  # one microbatch's logits on every stage, the whole sequence on a block of the vocabulary
+        logits = tokens * m.padded_vocab // (tensor * stage) * 4 * 2
     else:  # fp32 logits and their gradient, each stage on its slice of the sequence
         logits = rows * t.seq_len // (stage if schedule else 1) * m.padded_vocab // tensor * 4 * 2
     # The backward pass rebuilds a shared-QKV group's layers together (one iteration of the scan

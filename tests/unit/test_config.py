@@ -91,6 +91,11 @@ CASES = {
         ["groups of parallel.stage=4", "parallel.microbatches=6 to a multiple of it"],
     ),
     "schedule name": ({"parallel.schedule": "zb"}, ["parallel.schedule='zb'", "'1f1b'"]),
+    "padded vocab vs stage and tensor": (
+        {"parallel.stage": 4, "parallel.tensor": 2, "parallel.data": 1, "parallel.microbatches": 4,
+         "parallel.schedule": "1f1b", "model.vocab_pad_multiple": 4, "model.vocab_size": 258, "model.num_layers": 8},
+        ["padded vocab 260", "parallel.stage×tensor=4×2", "model.vocab_pad_multiple to a multiple of 8"],
+    ),
     "LoRA under 1f1b": (
         {"parallel.stage": 2, "parallel.data": 4, "parallel.microbatches": 2, "parallel.schedule": "1f1b",
          "model.lora.rank": 4},

@@ -162,15 +162,18 @@ def test_head_and_loss_run_once_on_a_slice_of_the_sequence_per_stage():
     assert f"f32[{rows},{cfg.train.seq_len},{vocab}]" not in text, "logits for the whole sequence on a stage"
 
 
-def test_table_schedules_split_the_heads_vocabulary_over_tensor_inside_the_loop():
-    """1F1B with tensor 2 and sequence parallelism: the loop computes each microbatch's logits over
-    the whole sequence for half the vocabulary, and no device holds the whole head matrix."""
+def test_table_schedules_split_the_heads_vocabulary_over_stage_and_tensor_inside_the_loop():
+    """1F1B on 2 stages with tensor 2 and sequence parallelism: the loop computes each microbatch's
+    logits over the whole sequence for a quarter of the vocabulary on every device, with a quarter
+    of the head matrix and of its fp32 gradient (the stored parameter stays split over `tensor`)."""
     cfg = _config(2, 2, 1, dict(tensor=2, data=2, schedule="1f1b", sequence_parallel=True))
     text, _ = _compiled(cfg, compile_train_step)
     rows = cfg.train.batch_size // cfg.parallel.data // cfg.parallel.microbatches
     seq, vocab, hidden = cfg.train.seq_len, cfg.model.padded_vocab, cfg.model.hidden
-    assert f"f32[{rows},{seq},{vocab // 2}]" in text, "a microbatch's logits for half the vocabulary"
-    assert f"[{rows},{seq},{vocab}]" not in text and f"[{rows},{seq // 2},{vocab}]" not in text
+    assert f"f32[{rows},{seq},{vocab // 4}]" in text, "a microbatch's logits for a quarter of the vocabulary"
+    for width in (vocab, vocab // 2):
+        assert f"[{rows},{seq},{width}]" not in text and f"[{rows},{seq // 2},{width}]" not in text
+    assert f"f32[{hidden},{vocab // 4}]" in text, "a quarter of the head and its gradient in the loop"
     assert f"f32[{hidden},{vocab}]" not in text, "the whole head matrix on a device"
 
 

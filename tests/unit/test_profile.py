@@ -2,6 +2,7 @@
 file jax.profiler writes; the categories, the communication share and the pipeline's measured
 bubble; the health bands; the profile_steps setting; a profiled serving engine."""
 
+import itertools
 import math
 
 import jax
@@ -140,19 +141,23 @@ def _lockstep_bubble(work: np.ndarray) -> float:
 
 def test_a_timetable_driven_pipelines_measured_work_follows_its_table(one_f_one_b):
     """1F1B at S = 4, M = 4 (11 loop steps), three profiled steps. Where the table gives a stage no
-    work, the trace shows only the buffer updates, far less than in any step with work: the
-    trace's steps line up with the table's (cutting the loop one step off fails here). The
-    bubble is the table's with each stage's typical cost of a forward, a backward, both, or
-    neither (the median of its cells of that kind) in every cell; the analytic bubble, 3/7 at any
-    backward cost, counts a forward on the last stage like any other, where it also runs the head
-    and the loss: runs measured 0.47 to 0.52."""
+    work (no forward, no backward, no share of a loss), the trace shows only the buffer updates,
+    far less than in any step with work: the trace's steps line up with the table's (cutting the
+    loop one step off fails here). The bubble is the table's with each stage's typical cost of each
+    kind of cell (which of a forward, a backward and a loss share it runs; the median of its cells
+    of that kind) in every cell; and it stays near the analytic bubble, 3/7 at any backward cost
+    (runs measured 0.37 to 0.39): every stage takes an equal share of the head and the loss, some
+    of it in steps it would idle."""
     table = timetable.build("1f1b", 4, 4, 1)
     work = np.array(one_f_one_b.stage_work)
     assert work.shape == (table.steps, 4)
     forward, backward = table.forward != timetable.IDLE, table.backward != timetable.IDLE
-    assert work[~(forward | backward)].max() < 0.5 * work[forward | backward].min(), np.round(work * 1e3, 2)
+    loss = np.broadcast_to(table.loss_steps[:, None], forward.shape)
+    busy = forward | backward | loss
+    assert work[~busy].max() < 0.5 * work[busy].min(), np.round(work * 1e3, 2)
     typical = np.zeros_like(work)
-    for kind in (forward & backward, forward & ~backward, ~forward & backward, ~forward & ~backward):
+    for f, b, l_ in itertools.product((True, False), repeat=3):
+        kind = (forward == f) & (backward == b) & (loss == l_)
         for s in range(4):
             if kind[:, s].any():
                 typical[kind[:, s], s] = np.median(work[kind[:, s], s])
@@ -163,7 +168,7 @@ def test_a_timetable_driven_pipelines_measured_work_follows_its_table(one_f_one_
     )
     assert one_f_one_b.bubble == pytest.approx(_lockstep_bubble(work), rel=1e-9)
     assert one_f_one_b.bubble == pytest.approx(_lockstep_bubble(typical), abs=0.05)
-    assert table.bubble() < one_f_one_b.bubble < table.bubble() + 0.12
+    assert one_f_one_b.bubble == pytest.approx(table.bubble(), abs=0.08)
     assert 0 < one_f_one_b.pipeline_share < 1
 
 
