@@ -270,12 +270,14 @@ def test_fp8_trains_alike_on_every_layout(layout, fp8_single):
     _assert_same_training(_train(cfg, 2), fp8_single, bound=0.06)
 
 
-def test_fp8_pipeline_matches_gradient_accumulation():
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_fp8_pipeline_matches_gradient_accumulation(schedule):
     """amax is per microbatch: a pipeline of M microbatches (data-parallel inside its loop, where
-    the pmax over `data` makes each microbatch's amax whole) against grad_accum_steps = M, to fp32
-    noise (4e-7 here) in every gradient and in two updates that follow them."""
+    the pmax over `data` makes each microbatch's amax whole), GPipe's or 1F1B's timetable, against
+    grad_accum_steps = M, to fp32 noise (4e-7 here) in every gradient and in two updates that
+    follow them."""
     pipelined = proportional_updates(_fp8_config())
-    pipelined = pipelined.updated(parallel=dict(stage=2, microbatches=2, data=4))
+    pipelined = pipelined.updated(parallel=dict(stage=2, microbatches=2, data=4, schedule=schedule))
     accumulated = proportional_updates(_fp8_config())
     accumulated = accumulated.updated(parallel=dict(data=4), train=dict(grad_accum_steps=2))
     _assert_same_training(_train(pipelined, 2), _train(accumulated, 2), bound=1e-5)

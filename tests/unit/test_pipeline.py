@@ -304,20 +304,22 @@ def test_bf16_training_under_tensor_and_sequence_parallelism_tracks_fp32(layout)
 
 
 @pytest.mark.parametrize(
-    "layout",
+    "layout, accum",
     [
-        dict(stage=2, microbatches=4, fsdp=2, data=2, schedule="1f1b"),
-        dict(stage=2, microbatches=4, repeats=2, tensor=2, data=2, schedule="interleaved_1f1b"),
+        (dict(stage=2, microbatches=4, fsdp=2, data=2, schedule="1f1b"), 1),
+        (dict(stage=2, microbatches=4, repeats=2, tensor=2, data=2, schedule="interleaved_1f1b"), 1),
+        (dict(stage=2, microbatches=2, data=4, schedule="1f1b"), 2),
     ],
-    ids=["1f1b fsdp2", "interleaved tensor2"],
+    ids=["1f1b fsdp2", "interleaved tensor2", "1f1b accumulating 2"],
 )
-def test_table_schedules_train_two_steps_like_one_device(layout):
+def test_table_schedules_train_two_steps_like_one_device(layout, accum):
     """fp32: Adam's first moment after one step (the step's gradient, scaled) and what two steps
-    changed in the params (updates proportional to the gradients), with a timetable-driven pipeline,
-    equal the run's without a pipeline (each leaf to 1e-5 and 1e-4 relative, in norm)."""
+    changed in the params (updates proportional to the gradients), with a timetable-driven pipeline
+    (one of them inside gradient accumulation), equal the run's without a pipeline (each leaf to
+    1e-5 and 1e-4 relative, in norm)."""
     cfg = proportional_updates(small_config(num_layers=8, qkv_share_every=2))  # Adam's m/√v would amplify noise
     plain = _two_steps(cfg.updated(parallel=dict(data=8)))
-    piped = _two_steps(cfg.updated(parallel=layout))
+    piped = _two_steps(cfg.updated(parallel=layout, train=dict(grad_accum_steps=accum)))
     chex.assert_trees_all_equal(piped[0], plain[0])
     assert_leaves_within(piped[1], plain[1], 1e-5, "the first step's gradients")
     assert_leaves_within(updates(piped[2], piped[0]), updates(plain[2], plain[0]), 1e-4, "params after two steps")
