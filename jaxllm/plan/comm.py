@@ -27,7 +27,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxllm.config import MESH_AXES, RunConfig
+from jaxllm.config import MESH_AXES, TABLE_SCHEDULES, RunConfig
+from jaxllm.parallel import timetable
 from jaxllm.parallel.rules import RULES
 from jaxllm.plan.hlo import KINDS
 from jaxllm.plan.memory import _itemsize, _per_device_bytes, mesh_sizes, specs_of
@@ -90,6 +91,7 @@ def communication(cfg: RunConfig, backend: str = "gpu") -> list[Transfer]:
     qkv = split(specs["groups"]["qkv"], grad)
     every = sum(weights.values()) + (head if "lm_head" in specs else 0)
     stages = n["stage"] if schedule else 1
+    timetabled = schedule is not None and schedule.kind in TABLE_SCHEDULES
     rows = t.batch_size // (n["data"] * n["fsdp"]) // accum  # a microstep's sequences per device
     compute_dtype = jnp.float32 if backend == "cpu" else m.dtype  # what 16-bit collectives move
     act = rows * t.seq_len * m.hidden * jnp.dtype(compute_dtype).itemsize  # a block's [rows, seq, hidden]
@@ -112,43 +114,45 @@ def communication(cfg: RunConfig, backend: str = "gpu") -> list[Transfer]:
         one_group = layers // (stages * schedule.repeats) == share
         rebuilt = 0 if m.remat == "group" and one_group else 2
     tp, table = ("tensor",), weights["embed"] * n["tensor"]
+    # GPipe's head takes each stage's slice of the sequence; a timetable's, whole microbatches on every stage
+    head_split = 1 if timetabled else stages
     block_reduces, block_gathers = accum * runs * (4 + rebuilt + reduces), accum * runs * (4 + rebuilt + gathers)
     if p.sequence_parallel:
         add("tensor: block outputs reduce-scattered", "reduce-scatter", tp, block, block_reduces)
         add("tensor: block inputs all-gathered", "all-gather", tp, block, block_gathers)
-        add("tensor: the head's input all-gathered", "all-gather", tp, act / stages, accum)
+        add("tensor: the head's input all-gathered", "all-gather", tp, act / head_split, accum)
         add("tensor: the embedding table all-gathered", "all-gather", tp, table, accum)
         add("tensor: the embedding's gradient reduced", "all-reduce", tp, table, accum)
     else:
         add("tensor: block outputs all-reduced", "all-reduce", tp, block, block_reduces)
         add("tensor: the embedding lookup all-reduced", "all-reduce", tp, act, accum)
-    add("tensor: the head's input gradient all-reduced", "all-reduce", tp, act / stages, accum)
+    add("tensor: the head's input gradient all-reduced", "all-reduce", tp, act / head_split, accum)
 
-    # Pipeline: each iteration shifts every stage's activations on, forward and backward; the
-    # output leaves split along the sequence over `stage` for the head, and comes back.
+    # Pipeline: activations go on and gradients come back every iteration (GPipe, circular) or every
+    # step of the timetable, idle stages included. GPipe's output leaves split along the sequence
+    # over `stage` for the head, and comes back; a timetable's reaches every stage's block of the
+    # head inside the loop, and its gradient comes back there.
+    split_seq = n["tensor"] if p.sequence_parallel else 1
     if schedule is not None:
-        split_seq = n["tensor"] if p.sequence_parallel else 1
-        add(
-            "stage: activations shifted to the next stage",
-            "collective-permute",
-            ("stage",),
-            block / split_seq,
-            accum * 2 * schedule.iterations,
-        )
+        shifts = 2 * (timetable.of(schedule).steps if timetabled else schedule.iterations)
+        add("stage: activations shifted on, gradients back", "collective-permute", ("stage",), block / split_seq,
+            accum * shifts)  # fmt: skip
+    if timetabled:
+        add("stage: the output all-reduced to the head", "all-reduce", ("stage",), act / split_seq, accum)
+        add("stage: the output's gradient all-reduced", "all-reduce", ("stage",), act / split_seq, accum)
+        add("stage: the input's gradient reduce-scattered", "reduce-scatter", ("stage",), act / split_seq, accum)
+        add("stage: the head's gradient joined", "all-reduce", ("stage",), head, accum)
+    elif schedule is not None:
         add("stage: the output reduce-scattered to the head", "reduce-scatter", ("stage",), act / split_seq, accum)
         add("stage: the output's gradient all-gathered", "all-gather", ("stage",), act / split_seq, accum)
         add("stage: the input's gradient all-reduced", "all-reduce", ("stage",), act / split_seq, accum)
-        if p.sequence_parallel:  # how XLA lays out the head's and the lookup's sequence here
+        if p.sequence_parallel:  # how XLA lays out the head's sequence here
             logits = rows * t.seq_len * m.padded_vocab / n["tensor"] * 4
             add("stage: the logits' fp32 gradient all-gathered for the head", "all-gather", ("stage",), logits, accum)
-            lookup = act / (n["tensor"] * stages) * (2 if n["fsdp"] > 1 else 1)  # and back, when fsdp splits the table
-            add(
-                "stage: the embedding table and lookup re-laid out",
-                "collective-permute",
-                ("stage",),
-                2 * weights["embed"] + lookup,
-                accum,
-            )
+    if schedule is not None and p.sequence_parallel:  # how XLA lays out the lookup here (GPipe's, its sequence too)
+        lookup = 0 if timetabled else act / (n["tensor"] * stages) * (2 if n["fsdp"] > 1 else 1)  # (and back, fsdp)
+        add("stage: the embedding table and lookup re-laid out", "collective-permute", ("stage",),
+            2 * weights["embed"] + lookup, accum)  # fmt: skip
 
     # Gradients, ZeRO-1, FSDP.
     batch_axes = ("data", "fsdp")

@@ -73,6 +73,29 @@ def test_communication_matches_the_compiled_step(layout):
         assert 0.95 <= planned[kind] / compiled[kind] <= 1.05, (kind, planned[kind], compiled[kind])
 
 
+TIMETABLED = {
+    "1f1b data2xstage2xtensor2": dict(data=2, stage=2, tensor=2, microbatches=4, schedule="1f1b"),
+    "1f1b fsdp2xstage2xtensor2 sequence parallel": dict(
+        fsdp=2, stage=2, tensor=2, microbatches=4, schedule="1f1b", sequence_parallel=True
+    ),
+    "interleaved data2xstage2xfsdp2": dict(
+        data=2, stage=2, fsdp=2, microbatches=4, repeats=2, schedule="interleaved_1f1b"
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", TIMETABLED.values(), ids=TIMETABLED.keys())
+def test_a_timetables_permutes_are_the_planners(layout):
+    """A timetable-driven pipeline hands activations on and gradients back in every step of its
+    table, idle stages included: the planner's permuted bytes are the compiled step's. (Its other
+    collectives sit in branches a stage skips in some steps, which a count of the compiled program
+    cannot tell from the steps that run them, so only these are held to it.)"""
+    cfg = _comm_config(layout)
+    hlo = lower_abstract_step(cfg, make_mesh(cfg.parallel)).compile(compiler_options=AS_ON_GPU).as_text()
+    compiled, planned = collective_bytes(hlo), by_kind(communication(cfg, backend="cpu"))
+    assert planned["permute"] == pytest.approx(compiled["permute"], rel=1e-6)
+
+
 def test_memory_estimate_is_within_15_percent_of_the_compiler_for_the_tiny_config():
     cfg = load_config("configs/tiny.py")
     cfg = cfg.updated(parallel=dict(data=1))
@@ -157,16 +180,16 @@ def test_device_kinds_read_as_their_own_rows(kind, row):
 
 def test_at_2048_a100s_the_120b_pipelines_again_as_the_pipeline_page_says():
     """docs/pipeline.md's row for 2,048 A100s (global batch 1,024 sequences): the fastest layout has
-    two stages of two chunks each, circular and interleaved 1F1B tie on step time (interleaved 1F1B
-    first: less memory), and GPipe's and no pipeline's best step times are the page's."""
+    two stages of two chunks each, circular first and interleaved 1F1B within 0.5 % of its step time
+    in less memory, and GPipe's and no pipeline's best step times are the page's."""
     cfg = load_config("configs/120b.py").updated(train=dict(batch_size=1024, grad_accum_steps=1))
     fitting = search(cfg, 2048, ACCELERATORS["a100-80gb"]).fitting
     best = {}
     for c in fitting:
         best.setdefault(c.layout.schedule if c.layout.stage > 1 else "none", c)
     top = fitting[0].layout
-    assert (top.stage, top.repeats, top.schedule) == (2, 2, "interleaved_1f1b")
-    assert best["interleaved_1f1b"].estimate.step == pytest.approx(best["circular"].estimate.step)
+    assert (top.stage, top.repeats, top.schedule) == (2, 2, "circular")
+    assert best["interleaved_1f1b"].estimate.step == pytest.approx(best["circular"].estimate.step, rel=5e-3)
     assert best["interleaved_1f1b"].memory < best["circular"].memory
     row = re.search(r"^\| 2,048 \(1\) \| (.*)$", (ROOT / "docs" / "pipeline.md").read_text(), re.M).group(1)
     quoted = [float(x) for x in re.findall(r"([\d.]+) s(?:\*\*)?,", row)]
