@@ -2,7 +2,11 @@
 beside its analytic bubble, at 4 stages × 8 microbatches (2 chunks for circular and interleaved
 1F1B), data 2, on the 8 devices JAX sees (fake CPU devices unless there are 8 accelerators).
 
-    python scripts/bench_bubble.py [--steps 3]
+    python scripts/bench_bubble.py [--steps 3] [--plot docs/img]
+
+With `--plot DIR` (the `plot` extra) it also draws each timetable-driven schedule's profiled step,
+stage by stage (`pipeline-measured-<schedule>.svg`), the pictures beside the tables' on the
+pipeline page.
 
 The model is tiny (8 layers of width 64): a stage's work is a few matmuls, and the head and the
 loss cost about as much as a stage's forward of two layers. GPipe and circular run them after the
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import tempfile
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -32,8 +37,8 @@ from jaxllm.train.step import compile_train_step, init_state  # noqa: E402
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("circular", 2), ("interleaved_1f1b", 2))
 
 
-def measured_bubble(schedule: str, chunks: int, steps: int) -> tuple[float, float]:
-    """(measured, analytic) bubble of `steps` profiled train steps after one that compiles."""
+def profiled(schedule: str, chunks: int, steps: int):
+    """(the profiler's summary of `steps` train steps after one that compiles, the run's schedule)."""
     cfg = RunConfig().updated(
         model=dict(num_layers=8, hidden=64, num_heads=8, mlp=128, vocab_size=257, max_seq_len=64, qkv_share_every=1,
                    dtype="float32"),
@@ -53,19 +58,39 @@ def measured_bubble(schedule: str, chunks: int, steps: int) -> tuple[float, floa
             profiler.before(i)
             state, metrics = step(state, batch)
             profiler.after(i, (state, metrics))
-    return profiler.summary.bubble, run.schedule.bubble
+    return profiler.summary, run.schedule
+
+
+def plot(directory: pathlib.Path, schedule, summary) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from jaxllm.plan.plot import draw_measured_steps
+
+    fig = plt.figure(figsize=(11, 2.8))
+    draw_measured_steps(fig.subplots(), schedule, np.asarray(summary.stage_work), summary.bubble)
+    fig.tight_layout()
+    with matplotlib.rc_context({"svg.hashsalt": "jaxllm", "svg.fonttype": "none"}):
+        fig.savefig(directory / f"pipeline-measured-{schedule.kind}.svg", format="svg", metadata={"Date": None})
+    plt.close(fig)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="profiled train steps per schedule")
+    parser.add_argument("--plot", type=pathlib.Path, help="draw each timetable-driven schedule's profiled step here")
     args = parser.parse_args()
     print(f"{jax.devices()[0].device_kind} × {jax.device_count()}, jax {jax.__version__}; 4 stages, 8 microbatches")
     print(f"{'schedule':>18} {'chunks':>6} {'analytic':>9} {'measured':>9}")
     measured = {}
     for schedule, chunks in SCHEDULES:
-        measured[schedule], analytic = measured_bubble(schedule, chunks, args.steps)
-        print(f"{schedule:>18} {chunks:>6} {analytic:>9.3f} {measured[schedule]:>9.3f}")
+        summary, run_schedule = profiled(schedule, chunks, args.steps)
+        measured[schedule] = summary.bubble
+        print(f"{schedule:>18} {chunks:>6} {run_schedule.bubble:>9.3f} {measured[schedule]:>9.3f}")
+        if args.plot and summary.stage_work is not None:
+            plot(args.plot, run_schedule, summary)
     analytic = timetable.build("interleaved_1f1b", 4, 8, 2).bubble() / timetable.build("1f1b", 4, 8, 1).bubble()
     ratio = measured["interleaved_1f1b"] / measured["1f1b"]
     print(f"interleaved 1F1B ÷ 1F1B, measured {ratio:.2f}, analytic {analytic:.2f}")

@@ -64,6 +64,37 @@ def draw_schedule(ax, picture: dict) -> None:
     )
 
 
+CELL_KINDS = {  # what a stage runs in a timetable's step: (forward, backward, share of the loss) → colour
+    "forward": "#3182bd", "backward": "#e6550d", "forward and backward": "#756bb1", "share of the loss only": "#31a354",
+}  # fmt: skip
+
+
+def draw_measured_steps(ax, schedule: Schedule, work: np.ndarray, bubble: float) -> None:
+    """A profiled step of a timetable-driven `schedule`: each step of its loop as long as its busiest
+    stage's `work` [steps, stages] (seconds), each stage's work a bar coloured by what the table
+    has it run there, the rest of the step grey: the measured bubble, beside the table's picture."""
+    table = timetable.of(schedule)
+    forward, backward = table.forward != IDLE, table.backward != IDLE
+    loss = np.broadcast_to(table.loss_steps[:, None], forward.shape)
+    starts = np.concatenate([[0.0], np.cumsum(work.max(axis=1))]) * 1e3
+    ax.barh(range(schedule.stages), starts[-1], left=0, color="#d9d9d9", height=0.8)  # idle unless covered
+    for step, stage in np.ndindex(work.shape):
+        f, b = forward[step, stage], backward[step, stage]
+        kind = "forward and backward" if f and b else "forward" if f else "backward" if b else None
+        kind = kind or ("share of the loss only" if loss[step, stage] else None)
+        if kind:
+            ax.barh(stage, work[step, stage] * 1e3, left=starts[step], color=CELL_KINDS[kind], height=0.8,
+                    edgecolor="white", linewidth=0.5)  # fmt: skip
+    for kind, colour in CELL_KINDS.items():
+        ax.barh(0, 0, color=colour, label=kind)
+    ax.barh(0, 0, color="#d9d9d9", label="idle: the bubble")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncols=5, fontsize=7)
+    ax.set(xlabel="ms (each loop step as long as its busiest stage)", ylabel="stage", yticks=range(schedule.stages))
+    ax.invert_yaxis()
+    ax.set_title(f"profiled {schedule.kind}: {schedule.stages} stages × {schedule.repeats} chunks, "
+                 f"{schedule.microbatches} microbatches; measured bubble {bubble:.1%}")  # fmt: skip
+
+
 def draw_memory(ax, planned: dict[str, float], title: str = "memory per device, by component") -> None:
     """`planned` (the planner's bytes by component) as one stacked bar, with each GPU's budget."""
     bottom = 0.0

@@ -128,6 +128,10 @@ def test_the_glossary_defines_each_term_once_and_only_terms_the_pages_use():
     assert not [t for t in terms if t.lower() not in others], "terms no other page uses"
 
 
+# Pictures of measurements, not of the code: `python scripts/bench_bubble.py --plot docs/img`.
+MEASURED = ("pipeline-measured-1f1b.svg", "pipeline-measured-interleaved_1f1b.svg")
+
+
 def test_every_picture_is_drawn_from_the_code_as_it_is_and_shown():
     """Each picture's SVG carries the digest of what it drew; the code's data today must have the
     same one (else: python -m jaxllm.pictures), and some page must show it."""
@@ -139,7 +143,10 @@ def test_every_picture_is_drawn_from_the_code_as_it_is_and_shown():
         stale = f"{name} is stale: python -m jaxllm.pictures"
         assert svg.exists() and drawn_digest(svg) == digest(picture.what()), stale
         assert f"(img/{name})" in shown, f"no page shows {name}"
-    assert sorted(p.name for p in (ROOT / "docs" / "img").iterdir()) == sorted(PICTURES), "pictures nothing draws"
+    for name in MEASURED:
+        assert (ROOT / "docs" / "img" / name).exists() and f"(img/{name})" in shown, f"{name}: not drawn or not shown"
+    drawn = sorted([*PICTURES, *MEASURED])
+    assert sorted(p.name for p in (ROOT / "docs" / "img").iterdir()) == drawn, "pictures nothing draws"
 
 
 def test_the_changelogs_newest_release_is_the_packages_version():

@@ -2,6 +2,7 @@
 compiled step's collectives (counted with loop trip counts), the compiler's memory, the real KV
 cache, the pipeline's own schedule; its search, pictures and the docs page it writes."""
 
+import collections
 import math
 import re
 
@@ -15,13 +16,14 @@ from test_layouts import LAYOUTS
 from jaxllm import plan
 from jaxllm.config import ModelConfig, Schedule, load_config
 from jaxllm.model.cache import KVCache
+from jaxllm.parallel import timetable
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.plan.comm import by_kind, communication
 from jaxllm.plan.estimate import estimate, link_bandwidth
 from jaxllm.plan.hardware import ACCELERATORS, accelerator_of
 from jaxllm.plan.hlo import collective_bytes
 from jaxllm.plan.params import megatron_extras, megatron_formula
-from jaxllm.plan.plot import BUBBLE, schedule_grid, timetable_grid
+from jaxllm.plan.plot import BUBBLE, CELL_KINDS, draw_measured_steps, schedule_grid, timetable_grid
 from jaxllm.plan.scale_doc import page
 from jaxllm.plan.search import search
 from jaxllm.train.dry_run import AS_ON_GPU, lower_abstract_step, peak_bytes
@@ -148,6 +150,35 @@ def test_pictured_schedule_runs_every_microbatch_once_per_stage_and_repeat(stage
     for stage in grid:  # each microbatch once per repeat, in order, one iteration behind the stage before
         assert list(stage[stage != BUBBLE]) == list(range(microbatches)) * repeats
     assert (np.argmax(grid != BUBBLE, axis=1) == np.arange(stages)).all()
+
+
+def test_a_profiled_steps_picture_draws_each_stages_work_as_the_table_names_it():
+    """`draw_measured_steps`: each loop step as long as its busiest stage, each stage's work one bar
+    of the colour of what the table has it run there (none where it runs nothing), over a grey bar
+    as long as the whole loop."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    schedule = Schedule(stages=4, repeats=1, microbatches=4, kind="1f1b")  # with steps that run only the loss
+    table = timetable.build("1f1b", 4, 4, 1)
+    forward, backward = table.forward != timetable.IDLE, table.backward != timetable.IDLE
+    loss = np.broadcast_to(table.loss_steps[:, None], forward.shape)
+    work = np.random.default_rng(0).uniform(1e-4, 2e-4, forward.shape) * (1 + forward + 2 * backward + loss)
+    fig = plt.figure()
+    ax = fig.subplots()
+    draw_measured_steps(ax, schedule, work, 0.3)
+    bars = [b for b in ax.patches if b.get_width() > 0]
+    grey = [b for b in bars if b.get_facecolor()[:3] == matplotlib.colors.to_rgb("#d9d9d9")]
+    assert [b.get_width() for b in grey] == pytest.approx([work.max(axis=1).sum() * 1e3] * 4)
+    colours = {name: matplotlib.colors.to_rgb(c) for name, c in CELL_KINDS.items()}
+    drawn = collections.Counter(next(n for n, c in colours.items() if b.get_facecolor()[:3] == c) for b in bars
+                                if b not in grey)  # fmt: skip
+    only_loss = loss & ~forward & ~backward
+    assert drawn == {"forward and backward": (forward & backward).sum(), "forward": (forward & ~backward).sum(),
+                     "backward": (backward & ~forward).sum(), "share of the loss only": only_loss.sum()}  # fmt: skip
+    plt.close(fig)
 
 
 def test_links_follow_the_mesh_order_over_nodes_of_8():
