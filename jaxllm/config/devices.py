@@ -64,11 +64,6 @@ def validate(cfg: RunConfig, num_devices: int, backend: str | None = None) -> tu
         "the int8 base (model.lora.rank > 0), or train in full precision and serve with --quantize int8",
     )
     require(
-        m.lora.rank == 0 or p.stage == 1 or p.schedule not in TABLE_SCHEDULES,
-        f"model.lora.rank={m.lora.rank} under parallel.schedule={p.schedule}: LoRA adapters train in the gpipe "
-        "and circular pipelines; set parallel.schedule=gpipe (or circular with repeats)",
-    )
-    require(
         cfg.data.tokenizer != "bpe" or cfg.data.bpe_vocab_size <= m.vocab_size,
         f"data.bpe_vocab_size={cfg.data.bpe_vocab_size} exceeds model.vocab_size={m.vocab_size}: the trained "
         f"tokenizer's ids must fit the embedding; set model.vocab_size={cfg.data.bpe_vocab_size} or a smaller "

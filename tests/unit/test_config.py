@@ -96,11 +96,6 @@ CASES = {
          "parallel.schedule": "1f1b", "model.vocab_pad_multiple": 4, "model.vocab_size": 258, "model.num_layers": 8},
         ["padded vocab 260", "parallel.stage×tensor=4×2", "model.vocab_pad_multiple to a multiple of 8"],
     ),
-    "LoRA under 1f1b": (
-        {"parallel.stage": 2, "parallel.data": 4, "parallel.microbatches": 2, "parallel.schedule": "1f1b",
-         "model.lora.rank": 4},
-        ["model.lora.rank=4 under parallel.schedule=1f1b", "schedule=gpipe"],
-    ),
     "gqa ratio": ({"model.num_kv_heads": 3}, ["model.num_heads=8", "model.num_kv_heads=3"]),
     "checkpoints kept": ({"checkpoint.keep": 0}, ["checkpoint.keep=0 must be at least 1"]),
     "checkpoint cadence": ({"checkpoint.every_steps": -5}, ["checkpoint.every_steps=-5 must be at least 0"]),
