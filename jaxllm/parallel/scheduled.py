@@ -9,7 +9,7 @@ step a stage back-propagates one work unit (recomputing its forward from the sta
 GPipe's rematerialised iterations do) and forwards another, then hands activations on and
 gradients back with one `ppermute` each. In a step where the last virtual stage forwards, every
 stage takes its output and computes the loss on its block of the head's vocabulary, split over
-`stage` × `tensor` (a vocab-parallel cross-entropy, as in "Balancing Pipeline Parallelism with
+`tensor` × `stage` (a vocab-parallel cross-entropy, as in "Balancing Pipeline Parallelism with
 Vocabulary Parallelism"): the head costs each stage 1/S of itself, where on the last stage alone
 it would lengthen every step that stage forwards, and no device holds more than its block of the
 head and the block's fp32 gradient sum. A `custom_vjp` makes the result an ordinary
@@ -151,11 +151,10 @@ def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_
             return (xbuf, gbuf, micro, grads, head_grads, total), dx
 
         def fore(carry, unit, x_slot):
-            xbuf, gbuf, micro, grads, head_grads, total = carry
+            xbuf, _, micro, *_ = carry
             chunk, j, unit_ctx = context(unit)
             inputs = stage_input(xbuf, micro, x_slot, chunk, j)
-            weights = jax.tree.map(lambda c: c[chunk], copies)
-            return carry, stack_fn(weights, inputs, unit_ctx)
+            return carry, stack_fn(jax.tree.map(lambda c: c[chunk], copies), inputs, unit_ctx)
 
         def with_loss(carry, sent_x, unit, loss_slot):
             """Every stage's share of the loss of the last virtual stage's output `sent_x` (on the
