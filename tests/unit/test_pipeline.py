@@ -43,7 +43,9 @@ CASES = {
     # Schedules run by a timetable: S ∈ {2, 4}, M ∈ {S, 2S, 4S}, with tensor 2 and with FSDP 2.
     "1f1b S2 M2 data4": (2, 2, 1, dict(data=4, schedule="1f1b"), {}),
     "1f1b S2 M8 tensor2 data2": (2, 8, 1, dict(tensor=2, data=2, schedule="1f1b"), {}),
+    "1f1b S4 M4 data2": (4, 4, 1, dict(data=2, schedule="1f1b"), {}),
     "1f1b S4 M8 fsdp2": (4, 8, 1, dict(fsdp=2, data=1, schedule="1f1b"), {}),
+    "1f1b S4 M16 tensor2": (4, 16, 1, dict(tensor=2, data=1, schedule="1f1b"), {}),
     "1f1b S2 M4 fsdp2 data2 layernorm geglu tied mha remat full": (
         2, 4, 1, dict(fsdp=2, data=2, schedule="1f1b"),
         dict(norm="layernorm", mlp_activation="geglu", tie_embeddings=True, num_kv_heads=8, remat="full"),
