@@ -48,7 +48,8 @@ class Sequence:
     speculates: bool = False  # drafts tokens for its next steps (see `speculation`)
     draft: list[int] = dataclasses.field(default_factory=list)  # proposed to follow its next token
     resume_at: int = 0  # a speculating sequence proposes nothing before this output index ...
-    misses: int = 0  # ... after this many proposals in a row found nothing, or nothing accepted
+    misses: int = 0  # ... after this many proposals in a row had nothing accepted
+    lookups: Any = None  # prompt lookup's index of its tokens (`speculation.NgramIndex`)
 
     @property
     def prompt(self) -> list[int]:

@@ -6,37 +6,47 @@ that repeats (code being edited, a summary quoting its source, a retrieved passa
 whole; text that does not is proposed nothing, and decodes as without speculation.
 
 `propose` gives each speculating sequence its draft before a step (with a draft model, only its
-length), and `back_off` spaces out a sequence's proposals while they miss.
+length), and `back_off` spaces out a sequence's proposals while none of their tokens is accepted.
 """
 
 from __future__ import annotations
-
-import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from jaxllm.serve.scheduler import Sequence, State
 from jaxllm.serve.settings import ServeConfig
 
 
-def lookup(context: list[int], count: int, longest: int, shortest: int) -> list[int]:
-    """`count` tokens that followed the latest earlier occurrence of `context`'s last n tokens,
-    for the largest n from `longest` down to `shortest` that has one (copied on from the proposal
-    itself where they reach the context's end); [] if none has."""
-    tokens = np.asarray(context, np.int64)
-    for n in range(min(longest, len(tokens) - 1), shortest - 1, -1):
-        earlier = sliding_window_view(tokens[:-1], n)  # every run of n tokens but the last one
-        found = np.flatnonzero((earlier == tokens[-n:]).all(axis=1))
-        if found.size:
-            extended, start = tokens.tolist(), found[-1] + n
-            for i in range(count):
-                extended.append(extended[start + i])
-            return extended[len(tokens) :]
-    return []
+class NgramIndex:
+    """Where each run of n tokens (shortest <= n <= longest) of a growing sequence last began, kept
+    up to date as its tokens arrive: a lookup reads a few dict entries where a search would pass
+    over the whole context for every n, so a sequence can look after every token it decodes."""
+
+    def __init__(self, shortest: int, longest: int):
+        self.shortest, self.longest = shortest, longest
+        self.latest: dict[tuple[int, ...], int] = {}  # a run → where it last began, before the last token
+        self.indexed = 0  # the runs ending at or before this index are in `latest`
+
+    def lookup(self, tokens: list[int], count: int) -> list[int]:
+        """`count` tokens that followed the latest earlier occurrence of `tokens`' last n tokens, for
+        the largest n that has one (copied on from the proposal itself where they reach the end of
+        `tokens`); [] if none has. `tokens` extend the last call's."""
+        for end in range(self.indexed + 1, len(tokens)):  # runs inside tokens[:-1]: earlier than the last n
+            for n in range(self.shortest, min(self.longest, end) + 1):
+                self.latest[tuple(tokens[end - n : end])] = end - n
+        self.indexed = max(self.indexed, len(tokens) - 1)
+        for n in range(min(self.longest, len(tokens) - 1), self.shortest - 1, -1):
+            start = self.latest.get(tuple(tokens[-n:]))
+            if start is not None:
+                proposal, start = [], start + n
+                for i in range(start, start + count):  # copied on from the proposal where it reaches the end
+                    proposal.append(tokens[i] if i < len(tokens) else proposal[i - len(tokens)])
+                return proposal
+        return []
 
 
 def propose(sequence: Sequence, settings: ServeConfig) -> None:
-    """Sets `sequence.draft` (empty if it does not speculate now), never past its max_tokens; a
-    lookup that finds nothing backs off. Prompt lookup does not wait for the token of a plain step
+    """Sets `sequence.draft` (empty if it does not speculate now), never past its max_tokens; after
+    a lookup that finds nothing the sequence decodes a token without waiting for a read and looks
+    again. Prompt lookup does not wait for the token of a plain step
     still on the device: it proposes that token too, as it would any, and drafts the tokens after
     it. Verification keeps only the tokens the model would draw, whatever was proposed, so a draft
     after a wrong guess costs only speed. After a verify step (more than one token unread) and
@@ -53,14 +63,16 @@ def propose(sequence: Sequence, settings: ServeConfig) -> None:
     if s.speculative == "draft":
         sequence.draft = [0] * room  # how many: the draft model proposes them on the device
         return
-    proposal = lookup(sequence.prompt + sequence.output, unread + room, s.ngram_max, s.ngram_min)
+    if sequence.lookups is None:
+        sequence.lookups = NgramIndex(s.ngram_min, s.ngram_max)
+    proposal = sequence.lookups.lookup(sequence.prompt + sequence.output, unread + room)
     sequence.draft = proposal[unread:]
-    if not proposal:
-        back_off(sequence)
+    if not proposal:  # it looks again after its next token, which it decodes without waiting for a read
+        sequence.resume_at = sequence.issued + 1
 
 
 def back_off(sequence: Sequence) -> None:
-    """After a proposal that found nothing or had nothing accepted: propose nothing for the next
+    """After a proposal that had nothing accepted: propose nothing for the next
     1, 2, 4, ... 32 tokens (misses in a row), decoding them without waiting for each to be read,
     as text that does not repeat decodes at the pace it would without speculation."""
     sequence.resume_at = sequence.issued + 2 ** min(sequence.misses, 5)

@@ -10,6 +10,7 @@ whose cache must then follow the target's exactly), the pages of rejected ones g
 import httpx
 import numpy as np
 import pytest
+from numpy.lib.stride_tricks import sliding_window_view
 from support.runs import small_config
 from support.serving import http_server, metric_values
 
@@ -21,7 +22,7 @@ from jaxllm.serve.generation import Request
 from jaxllm.serve.load import load_engine, serving_setup
 from jaxllm.serve.scheduler import State
 from jaxllm.serve.settings import ServeConfig
-from jaxllm.serve.speculation import lookup
+from jaxllm.serve.speculation import NgramIndex
 
 # Pages of 4 tokens: drafts often cross into a page. Every test shares these settings, so that the
 # engines the module builds (each compiles every step) serve several tests.
@@ -168,6 +169,24 @@ def test_the_metrics_count_drafts_and_accepted_tokens(trained, engines):
     assert metrics["jaxllm_spec_acceptance_rate"] == pytest.approx(accepted / drafted)
 
 
+def _searched(context: list[int], count: int, longest: int, shortest: int) -> list[int]:
+    """The reference: a search of the whole context for its last n tokens, the largest n first."""
+    tokens = np.asarray(context, np.int64)
+    for n in range(min(longest, len(tokens) - 1), shortest - 1, -1):
+        earlier = sliding_window_view(tokens[:-1], n)  # every run of n tokens but the last one
+        found = np.flatnonzero((earlier == tokens[-n:]).all(axis=1))
+        if found.size:
+            extended, start = tokens.tolist(), found[-1] + n
+            for i in range(count):
+                extended.append(extended[start + i])
+            return extended[len(tokens) :]
+    return []
+
+
+def lookup(context, count, longest, shortest):
+    return NgramIndex(shortest, longest).lookup(context, count)
+
+
 def test_lookup_proposes_what_followed_the_longest_latest_match():
     assert lookup([1, 2, 3, 4, 5, 6, 1, 2, 3], 3, 4, 2) == [4, 5, 6]  # "1 2 3" matched, three after it
     assert lookup([7, 2, 3, 9, 1, 2, 3, 8, 2, 3], 2, 4, 2) == [8, 2]  # the latest "2 3"
@@ -177,6 +196,19 @@ def test_lookup_proposes_what_followed_the_longest_latest_match():
     assert lookup([9, 1, 2, 1, 2], 5, 4, 2) == [1, 2, 1, 2, 1]  # a loop goes on around itself
     assert lookup([1, 2, 3, 4, 5, 1, 2, 3], 4, 4, 2) == [4, 5, 1, 2]
     assert lookup([1, 2, 3, 9, 5, 3, 7, 1, 2, 3], 1, 3, 1) == [9]  # the longest match, over a later shorter one
+
+
+@pytest.mark.parametrize("shortest, longest", [(1, 3), (2, 4), (3, 3)])
+def test_an_index_kept_as_tokens_arrive_proposes_what_a_search_of_the_whole_context_does(shortest, longest):
+    """Sequences of a few symbols (so that runs repeat), looked up after every arrival of one to
+    three tokens, as a decoding sequence's are: each proposal is the whole-context search's."""
+    rng = np.random.default_rng(shortest * 10 + longest)
+    for _ in range(20):
+        tokens, index, length = rng.integers(0, 4, 80).tolist(), NgramIndex(shortest, longest), 1
+        while length <= len(tokens):
+            count = int(rng.integers(1, 9))
+            assert index.lookup(tokens[:length], count) == _searched(tokens[:length], count, longest, shortest)
+            length += int(rng.integers(1, 4))
 
 
 def test_bad_speculation_settings_are_refused(trained, tmp_path):
