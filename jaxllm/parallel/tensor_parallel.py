@@ -82,7 +82,7 @@ def tensor_parallel(fn: Callable, *arg_axes: Any, kept_axes: tuple = (), split_b
 
 
 def vocab_split_summed_loss(
-    logits: jax.Array, targets: jax.Array, mask: jax.Array, vocab_size: int, masked: float, axes=("tensor",)
+    logits: jax.Array, targets: jax.Array, mask: jax.Array, vocab_size: int, masked: float, axes: tuple[str, ...]
 ) -> jax.Array:
     """Next-token cross-entropy of `targets` summed over the tokens `mask` weighs, inside a region
     manual over the mesh `axes` whose `logits` [batch, seq, block] are this device's block of the

@@ -16,19 +16,23 @@ from jaxllm.serve.settings import ServeConfig
 
 
 class NgramIndex:
-    """Where each run of n tokens (shortest <= n <= longest) of a growing sequence last began, kept
-    up to date as its tokens arrive: a lookup reads a few dict entries where a search would pass
-    over the whole context for every n, so a sequence can look after every token it decodes."""
+    """Where each run of n tokens (shortest <= n <= longest) of a sequence's prompt and output last
+    began, kept up to date as its output arrives: a lookup reads a few dict entries and the new
+    tokens, where a search would pass over the whole context for every n, so a sequence can look
+    after every token it decodes."""
 
-    def __init__(self, shortest: int, longest: int):
+    def __init__(self, prompt: list[int], shortest: int, longest: int):
         self.shortest, self.longest = shortest, longest
+        self.tokens, self.prompt_length = list(prompt), len(prompt)
         self.latest: dict[tuple[int, ...], int] = {}  # a run → where it last began, before the last token
         self.indexed = 0  # the runs ending at or before this index are in `latest`
 
-    def lookup(self, tokens: list[int], count: int) -> list[int]:
-        """`count` tokens that followed the latest earlier occurrence of `tokens`' last n tokens, for
-        the largest n that has one (copied on from the proposal itself where they reach the end of
-        `tokens`); [] if none has. `tokens` extend the last call's."""
+    def lookup(self, output: list[int], count: int) -> list[int]:
+        """`count` tokens that followed the latest earlier occurrence of the last n tokens of the
+        prompt and `output` (which extends the last call's), for the largest n that has one (copied
+        on from the proposal itself where they reach the end); [] if none has."""
+        tokens = self.tokens
+        tokens += output[len(tokens) - self.prompt_length :]
         for end in range(self.indexed + 1, len(tokens)):  # runs inside tokens[:-1]: earlier than the last n
             for n in range(self.shortest, min(self.longest, end) + 1):
                 self.latest[tuple(tokens[end - n : end])] = end - n
@@ -64,8 +68,8 @@ def propose(sequence: Sequence, settings: ServeConfig) -> None:
         sequence.draft = [0] * room  # how many: the draft model proposes them on the device
         return
     if sequence.lookups is None:
-        sequence.lookups = NgramIndex(s.ngram_min, s.ngram_max)
-    proposal = sequence.lookups.lookup(sequence.prompt + sequence.output, unread + room)
+        sequence.lookups = NgramIndex(sequence.prompt, s.ngram_min, s.ngram_max)
+    proposal = sequence.lookups.lookup(sequence.output, unread + room)
     sequence.draft = proposal[unread:]
     if not proposal:  # it looks again after its next token, which it decodes without waiting for a read
         sequence.resume_at = sequence.issued + 1

@@ -184,7 +184,7 @@ def _searched(context: list[int], count: int, longest: int, shortest: int) -> li
 
 
 def lookup(context, count, longest, shortest):
-    return NgramIndex(shortest, longest).lookup(context, count)
+    return NgramIndex(context, shortest, longest).lookup([], count)
 
 
 def test_lookup_proposes_what_followed_the_longest_latest_match():
@@ -200,14 +200,17 @@ def test_lookup_proposes_what_followed_the_longest_latest_match():
 
 @pytest.mark.parametrize("shortest, longest", [(1, 3), (2, 4), (3, 3)])
 def test_an_index_kept_as_tokens_arrive_proposes_what_a_search_of_the_whole_context_does(shortest, longest):
-    """Sequences of a few symbols (so that runs repeat), looked up after every arrival of one to
-    three tokens, as a decoding sequence's are: each proposal is the whole-context search's."""
+    """Prompts and outputs of a few symbols (so that runs repeat), looked up after every arrival of
+    one to three output tokens, as a decoding sequence's are: each proposal is the whole-context
+    search's."""
     rng = np.random.default_rng(shortest * 10 + longest)
     for _ in range(20):
-        tokens, index, length = rng.integers(0, 4, 80).tolist(), NgramIndex(shortest, longest), 1
-        while length <= len(tokens):
+        prompt, output = rng.integers(0, 4, int(rng.integers(1, 20))).tolist(), rng.integers(0, 4, 60).tolist()
+        index, length = NgramIndex(prompt, shortest, longest), 0
+        while length <= len(output):
             count = int(rng.integers(1, 9))
-            assert index.lookup(tokens[:length], count) == _searched(tokens[:length], count, longest, shortest)
+            want = _searched(prompt + output[:length], count, longest, shortest)
+            assert index.lookup(output[:length], count) == want
             length += int(rng.integers(1, 4))
 
 
