@@ -19,9 +19,9 @@ MlpActivation = Literal["swiglu", "geglu", "gelu"]
 AttentionKernel = Literal["xla", "cudnn", "pallas"]
 RematPolicy = Literal["none", "full", "group", "selective", "dots", "offload"]
 AmaxReduce = Literal["global", "local"]
-PipelineSchedule = Literal["gpipe", "circular", "1f1b", "interleaved_1f1b"]
+PipelineSchedule = Literal["gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble"]
 # Schedules run by a timetable (`parallel/timetable.py`) rather than as a forward loop JAX transposes.
-TABLE_SCHEDULES = ("1f1b", "interleaved_1f1b")
+TABLE_SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble")
 # The schedules whose stages each hold `repeats` chunks, and each one's schedule of one chunk a stage.
 CHUNKED_SCHEDULES = {"circular": "gpipe", "interleaved_1f1b": "1f1b"}
 RopeScalingType = Literal["none", "linear", "llama3"]
@@ -223,7 +223,8 @@ class ParallelConfig(Section):
         "the pipeline's order of work: gpipe (all forwards, then all backwards), circular (gpipe over "
         "`repeats` chunks per stage), 1f1b (a microbatch's backward as soon as it can: a few "
         "microbatches held per stage, not all), interleaved_1f1b (1f1b over `repeats` chunks: a "
-        "smaller bubble)",
+        "smaller bubble), zero_bubble (1f1b with each backward's weight gradients put off into the "
+        "bubble, ZB-H1)",
     )
     zero1: bool = field(True, "the optimizer state (and summed gradients) also split over data")
     sequence_parallel: bool = field(False, "the residual stream split over tensor along the sequence")

@@ -105,8 +105,12 @@ def scan_layers(graph: nnx.GraphDef, groups: Params, x: jax.Array, ctx: layers.C
     return x, cache._replace(keys=keys, values=values)
 
 
-def scan_groups(graph: nnx.GraphDef, remat: str, groups: Params, x: jax.Array, ctx: layers.Context) -> jax.Array:
-    """Applies stacked groups (a `LayerGroup` graph, params with a leading group dim) in order."""
+def scan_groups(
+    graph: nnx.GraphDef, remat: str, groups: Params, x: jax.Array, ctx: layers.Context, unrolled: bool = False
+) -> jax.Array:
+    """Applies stacked groups (a `LayerGroup` graph, params with a leading group dim) in order, in
+    a scan, or `unrolled` in a Python loop (a split backward, `parallel/split_backward.py`, needs
+    flat equations)."""
     _, wrap_group = _remat_wrappers(remat)
     body = wrap_group(lambda x, params, ctx: nnx.merge(graph, params)(x, ctx))
 
@@ -114,7 +118,12 @@ def scan_groups(graph: nnx.GraphDef, remat: str, groups: Params, x: jax.Array, c
         params, index = group
         return body(x, params, ctx.folded(index)), None
 
-    x, _ = jax.lax.scan(step, x, (groups, jnp.arange(jax.tree.leaves(groups)[0].shape[0])))
+    count = jax.tree.leaves(groups)[0].shape[0]
+    if unrolled:
+        for index in range(count):
+            x, _ = step(x, (jax.tree.map(lambda a, i=index: a[i], groups), index))
+        return x
+    x, _ = jax.lax.scan(step, x, (groups, jnp.arange(count)))
     return x
 
 
@@ -195,7 +204,7 @@ class Decoder(nnx.Module):
         if copies is None:
             copies = gather_stage_weights(groups, specs, jnp.dtype(self.model.dtype))
 
-        stack_fn = partial(scan_groups, graph, self.model.remat)
+        stack_fn = partial(scan_groups, graph, self.model.remat, unrolled=self.schedule.kind == "zero_bubble")
 
         def forward_loss(groups, head, x, copies, ctx, targets, mask):  # GPipe's loop, forward only
             out = pipeline_stack(groups, specs, x, ctx, self.schedule, stack_fn, copies)

@@ -43,6 +43,7 @@ from jaxllm.parallel.pipeline import (
 )
 from jaxllm.parallel.rules import GATHERED_RULES, active_rules, as_tuple, is_axes, manual_spec
 from jaxllm.parallel.schedule import split_microbatches
+from jaxllm.parallel.split_backward import split_backward
 from jaxllm.parallel.tensor_parallel import RESIDUAL
 from jaxllm.parallel.timetable import IDLE
 
@@ -97,7 +98,8 @@ def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_
     to_previous = [(j, (j - 1) % s) for j in range(s)]
     columns = tuple(jnp.asarray(a) for a in (
         table.forward, table.backward, table.forward_x, table.backward_x, table.backward_g,
-        table.received_x, table.received_g, table.loss_g,
+        table.received_x, table.received_g, table.loss_g, table.weight, table.forward_r, table.backward_r,
+        table.backward_w, table.weight_w,
     ))  # fmt: skip
 
     def one_stage(copies, head, micro, ctx_micro, targets, mask, dropout):
@@ -123,6 +125,19 @@ def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_
             unit_ctx = jax.tree.map(lambda a: a[j], ctx_micro)._replace(dropout=dropout)
             return chunk, j, unit_ctx.folded(stage).folded(unit)
 
+        def sinks_of(chunk_copies):
+            return jax.tree.map(lambda c: varying_like(jnp.zeros(c.shape, jnp.float32), c), chunk_copies)
+
+        def apply(sinks, inputs, rest):
+            chunk_copies, unit_ctx = rest
+            weights = jax.tree.map(loop_weight, chunk_copies, sinks, specs)
+            return stack_fn(weights, inputs, unit_ctx)
+
+        def add_grads(grads, chunk, dsinks):
+            return jax.tree.map(
+                lambda g, d, a: g.at[chunk].add(varying_over(d, tuple(sorted(a)))), grads, dsinks, grad_axes
+            )
+
         def stage_input(xbuf, micro, slot, chunk, j):
             """Virtual stage 0 reads the embedded batch; every other its stashed input."""
             return jnp.where((stage == 0) & (chunk == 0), micro[j], xbuf[slot])
@@ -130,36 +145,58 @@ def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_
         def whole(a):  # the last stage's output whole along the sequence; the backward scatters its gradient back
             return all_gather(a, seq_axes, 1) if seq_axes else a
 
-        def back(carry, unit, x_slot, g_slot):
-            xbuf, gbuf, micro, grads, head_grads, total = carry
+        # zero_bubble: a unit's forward, input gradient and weight gradients as three parts of one
+        # traced pass (`split_backward.py`), the residuals and taps kept between them in buffers.
+        halves, rbuf, wbuf = None, [], []
+        if table.split:
+            # Traced as the loop runs a unit: at a unit index that varies over the stages.
+            chunk, j, unit_ctx = context(columns[0][0][stage])
+            chunk_copies = jax.tree.map(lambda c: c[chunk], copies)
+            inputs = stage_input(xbuf, micro, table.x_slots, chunk, j)
+            halves = split_backward(apply, sinks_of(chunk_copies), inputs, (chunk_copies, unit_ctx))
+            rbuf = [_buffer(a, table.r_slots) for a in halves.avals(halves.residuals)]
+            wbuf = [_buffer(a, table.w_slots) for a in halves.avals(halves.taps)]
+
+        def back(carry, unit, x_slot, g_slot, r_slot, w_slot):
+            """The unit's input gradient, and its weight gradients unless they are put off (split)."""
+            xbuf, gbuf, micro, grads, head_grads, total, rbuf, wbuf = carry
             chunk, j, unit_ctx = context(unit)
             inputs = stage_input(xbuf, micro, x_slot, chunk, j)
             chunk_copies = jax.tree.map(lambda c: c[chunk], copies)
-            sinks = jax.tree.map(lambda c: varying_like(jnp.zeros(c.shape, jnp.float32), c), chunk_copies)
-
-            def apply(sinks, inputs):
-                weights = jax.tree.map(loop_weight, chunk_copies, sinks, specs)
-                return stack_fn(weights, inputs, unit_ctx)
-
-            _, vjp = jax.vjp(apply, sinks, inputs)
-            dsinks, dx = vjp(gbuf[g_slot])
-            grads = jax.tree.map(
-                lambda g, d, a: g.at[chunk].add(varying_over(d, tuple(sorted(a)))), grads, dsinks, grad_axes
-            )
+            rest = (chunk_copies, unit_ctx)
+            if halves is None:
+                _, vjp = jax.vjp(lambda sinks, inputs: apply(sinks, inputs, rest), sinks_of(chunk_copies), inputs)
+                dsinks, dx = vjp(gbuf[g_slot])
+                grads = add_grads(grads, chunk, dsinks)
+            else:
+                residuals = [b[r_slot] for b in rbuf]
+                dx, taps = halves.input_grad(sinks_of(chunk_copies), inputs, rest, gbuf[g_slot], residuals)
+                wbuf = [b.at[w_slot].set(_like(t, b)) for b, t in zip(wbuf, taps, strict=False)]
             first = (stage == 0) & (chunk == 0)  # its input gradient is the embedding's
             micro = micro.at[j].set(jnp.where(first, dx, micro[j]))
-            return (xbuf, gbuf, micro, grads, head_grads, total), dx
+            return (xbuf, gbuf, micro, grads, head_grads, total, rbuf, wbuf), dx
 
-        def fore(carry, unit, x_slot):
-            xbuf, _, micro, *_ = carry
+        def weigh(carry, unit, w_slot):
+            """The put-off weight gradients of a unit (split)."""
+            xbuf, gbuf, micro, grads, head_grads, total, rbuf, wbuf = carry
+            grads = add_grads(grads, unit // m, halves.weight_grad([b[w_slot] for b in wbuf]))
+            return xbuf, gbuf, micro, grads, head_grads, total, rbuf, wbuf
+
+        def fore(carry, unit, x_slot, r_slot):
+            xbuf, gbuf, micro, grads, head_grads, total, rbuf, wbuf = carry
             chunk, j, unit_ctx = context(unit)
             inputs = stage_input(xbuf, micro, x_slot, chunk, j)
-            return carry, stack_fn(jax.tree.map(lambda c: c[chunk], copies), inputs, unit_ctx)
+            chunk_copies = jax.tree.map(lambda c: c[chunk], copies)
+            if halves is None:
+                return carry, stack_fn(chunk_copies, inputs, unit_ctx)
+            out, residuals = halves.forward(sinks_of(chunk_copies), inputs, (chunk_copies, unit_ctx))
+            rbuf = [b.at[r_slot].set(_like(r, b)) for b, r in zip(rbuf, residuals, strict=False)]
+            return (xbuf, gbuf, micro, grads, head_grads, total, rbuf, wbuf), out
 
         def with_loss(carry, sent_x, unit, loss_slot):
             """Every stage's share of the loss of the last virtual stage's output `sent_x` (on the
             last stage), the gradient of that output to the last stage's `loss_slot`."""
-            xbuf, gbuf, micro, grads, head_grads, total = carry
+            xbuf, gbuf, micro, grads, head_grads, total, *held = carry
             j = unit % m
             out = jax.lax.psum(jnp.where(stage == last[0], sent_x, jnp.zeros_like(sent_x)), "stage")
             value, vjp = jax.vjp(
@@ -168,22 +205,24 @@ def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_
             dhead, dout = vjp(jnp.ones_like(value))
             head_grads = jax.tree.map(lambda g, d: g + varying_like(d, g), head_grads, dhead)
             gbuf = gbuf.at[loss_slot].set(varying_like(dout, gbuf))
-            return xbuf, gbuf, micro, grads, head_grads, total + varying_like(value, total)
+            return xbuf, gbuf, micro, grads, head_grads, total + varying_like(value, total), *held
 
         def step(carry, row):
-            forward, backward, forward_x, backward_x, backward_g, received_x, received_g, loss_g = (
-                a[stage] for a in row
-            )
+            (forward, backward, forward_x, backward_x, backward_g, received_x, received_g, loss_g, weight,
+             forward_r, backward_r, backward_w, weight_w) = (a[stage] for a in row)  # fmt: skip
             idle = jnp.zeros_like(micro[0])
+            # Reads before stores: a slot read in a step may be stored into in the same step.
+            if halves is not None:
+                carry = jax.lax.cond(weight != IDLE, lambda c: weigh(c, weight, weight_w), lambda c: c, carry)
             carry, sent_g = jax.lax.cond(
                 backward != IDLE,
-                lambda c: back(c, backward, backward_x, backward_g),
+                lambda c: back(c, backward, backward_x, backward_g, backward_r, backward_w),
                 lambda c: (c, idle),
                 carry,
             )
             carry, sent_x = jax.lax.cond(
                 forward != IDLE,
-                lambda c: fore(c, forward, forward_x),
+                lambda c: fore(c, forward, forward_x, forward_r),
                 lambda c: (c, idle),
                 carry,
             )
@@ -200,8 +239,8 @@ def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_
             gbuf = gbuf.at[received_g].set(jax.lax.ppermute(sent_g, "stage", to_previous))
             return (xbuf, gbuf, *rest), None
 
-        carry = (xbuf, gbuf, micro, grads, head_grads, total)
-        (_, _, micro, grads, head_grads, total), _ = jax.lax.scan(step, carry, columns)
+        carry = (xbuf, gbuf, micro, grads, head_grads, total, rbuf, wbuf)
+        (_, _, micro, grads, head_grads, total, *_), _ = jax.lax.scan(step, carry, columns)
         grads = jax.tree.map(lambda g, spec: reduced_grad(g, P(*spec[1:]))[None], grads, shard_specs)
         # Summed over the devices that hold the same block of the head, then each `tensor` block put
         # together from its stages' blocks: it leaves as the head is stored, which XLA then slices
@@ -227,3 +266,13 @@ def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_
     )
     total, grads, head_grads, dx = run(copies, head, micro, ctx_micro, split(targets), split(mask), ctx.dropout)
     return total, stage_major_arrays(grads), head_grads, merge_microbatches(dx)
+
+
+def _buffer(aval, slots: int) -> jax.Array:
+    """Zeros for `slots` values like `aval` and a scratch slot, varying as it does."""
+    return varying_over(jnp.zeros((slots + 1, *aval.shape), aval.dtype), tuple(sorted(aval.manual_axis_type.varying)))
+
+
+def _like(value: jax.Array, buffer: jax.Array) -> jax.Array:
+    """`value` typed as varying over what `buffer` varies over, to be stored in it."""
+    return varying_over(value, tuple(sorted(varying_axes(buffer))))

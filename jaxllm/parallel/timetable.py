@@ -1,7 +1,8 @@
-"""The timetable of a table-driven pipeline schedule (`1f1b`, `interleaved_1f1b`): what each stage
-does in each step of the loop. In a step a stage runs at most one backward and one forward, each of
-one work unit (a microbatch through one of its chunks), then every stage hands its forward's output
-to the next stage and its backward's input gradient to the previous one.
+"""The timetable of a table-driven pipeline schedule (`1f1b`, `interleaved_1f1b`, `zero_bubble`):
+what each stage does in each step of the loop. In a step a stage runs at most one backward and one
+forward, each of one work unit (a microbatch through one of its chunks), and under `zero_bubble`
+at most one weight-gradient pass; then every stage hands its forward's output to the next stage
+and its backward's input gradient to the previous one.
 
 Chunk c of stage s is virtual stage v = c·S + s, the pipeline view's [repeats, stages] order; with
 one chunk (`1f1b`) a stage is its own virtual stage. Work unit c·M + j is microbatch j's pass
@@ -15,6 +16,12 @@ the units a stage holds in flight (forwarded, not yet back-propagated), whose in
 - `interleaved_1f1b` (Megatron's order): groups of S microbatches through chunk 0, then chunk 1,
   ...; backwards through the chunks in reverse; (v − 1)·S units more, as Megatron's warm-up, and
   the circular schedule's smaller bubble.
+- `zero_bubble` (ZB-H1, "Zero Bubble Pipeline Parallelism"): 1F1B's order, with each backward
+  split (`split_backward.py`) into the input gradient, which the previous stage waits for, and
+  the weight gradients, which wait in the stage until a step has room for them: where 1F1B's
+  stages idle while the last microbatches' gradients travel back, these stages compute the weight
+  gradients they put off. A stage puts off at most S − s of them, so it holds about what 1F1B
+  holds.
 
 The table also assigns every stashed input and every waiting gradient a slot in a small buffer, so
 the loop's memory is the most a stage ever holds, not M microbatches.
@@ -31,7 +38,8 @@ from jaxllm.config import TABLE_SCHEDULES, Schedule
 
 IDLE = -1
 # The relative cost of a backward (input and weight gradients) and a forward, as the literature
-# counts them; with `jax.checkpoint`'s recompute the backward costs one forward more.
+# counts them; with `jax.checkpoint`'s recompute the backward costs one forward more. Split, each
+# half costs a forward.
 BACKWARD_COST = 2.0
 
 
@@ -47,8 +55,15 @@ class Timetable(NamedTuple):
     received_x: np.ndarray  # slot the activation arriving after this step goes to
     received_g: np.ndarray  # slot the gradient arriving after this step goes to
     loss_g: np.ndarray  # slot for the loss gradient of this step's forward on the last virtual stage
+    weight: np.ndarray  # work unit whose weight gradients are computed (`zero_bubble`), or IDLE
+    forward_r: np.ndarray  # slot the forward's residuals go to (`zero_bubble`)
+    backward_r: np.ndarray  # slot the backward reads them from
+    backward_w: np.ndarray  # slot the backward's taps go to (`zero_bubble`)
+    weight_w: np.ndarray  # slot the weight pass reads them from
     x_slots: int
     g_slots: int
+    r_slots: int
+    w_slots: int
 
     @property
     def steps(self) -> int:
@@ -66,17 +81,24 @@ class Timetable(NamedTuple):
         live = np.cumsum(self.forward != IDLE, axis=0) - np.cumsum(self.backward != IDLE, axis=0)
         return live.max(axis=0)
 
+    @property
+    def split(self) -> bool:
+        """Whether the weight gradients are computed apart from the backward (`zero_bubble`)."""
+        return bool((self.weight != IDLE).any())
+
     def bubble(self, backward_cost: float = BACKWARD_COST) -> float:
-        """The fraction of stage time idle when a forward costs 1 and a backward `backward_cost`, and
-        every step lasts as long as its busiest stage's work (the stages meet at every step)."""
-        work = (self.forward != IDLE) + backward_cost * (self.backward != IDLE)
+        """The fraction of stage time idle when a forward costs 1 and a backward `backward_cost`
+        (split: each half 1), and every step lasts as long as its busiest stage's work (the stages
+        meet at every step)."""
+        b, w = (1.0, 1.0) if self.split else (backward_cost, 0.0)
+        work = (self.forward != IDLE) + b * (self.backward != IDLE) + w * (self.weight != IDLE)
         return float(1 - work.sum() / (work.shape[1] * work.max(axis=1).sum()))
 
 
 def work_order(kind: str, stages: int, microbatches: int, chunks: int) -> tuple[list, list]:
     """The (microbatch, chunk) order of a stage's forwards and of its backwards."""
     s, m, v = stages, microbatches, chunks
-    if kind == "1f1b":
+    if kind in ("1f1b", "zero_bubble"):
         return [(j, 0) for j in range(m)], [(j, 0) for j in range(m)]
     groups = [(k // s, k % s) for k in range(m * v)]  # (group of S microbatches·chunk, index in it)
     forward = [((g // v) * s + i, g % v) for g, i in groups]
@@ -87,6 +109,12 @@ def work_order(kind: str, stages: int, microbatches: int, chunks: int) -> tuple[
 def of(schedule: Schedule) -> Timetable:
     """The timetable of a pipeline `schedule` of a table-driven kind."""
     return build(schedule.kind, schedule.stages, schedule.microbatches, schedule.repeats)
+
+
+def bubble_of(schedule: Schedule) -> float:
+    """The schedule's bubble: its table's under `zero_bubble` (lockstep ZB-H1 has no closed form),
+    else the stated one (`Schedule.bubble`, which the 1F1B tables equal)."""
+    return of(schedule).bubble() if schedule.kind == "zero_bubble" else schedule.bubble
 
 
 def steps_of(schedule: Schedule | None) -> int | None:
@@ -102,9 +130,11 @@ def build(kind: str, stages: int, microbatches: int, chunks: int) -> Timetable:
     forward_order, backward_order = work_order(kind, s_, m, v)
     forwarded, backpropagated = {}, {}  # (virtual stage, microbatch) -> step
     next_f, next_b = [0] * s_, [0] * s_
-    rows = []
+    split = kind == "zero_bubble"
+    put_off = [[] for _ in range(s_)]  # units whose weight gradients wait, oldest first
+    rows, weights = [], []
     step = 0
-    while any(n < len(backward_order) for n in next_b):
+    while any(n < len(backward_order) for n in next_b) or any(put_off):
         row = []
         for s in range(s_):
             f = b = IDLE
@@ -120,6 +150,17 @@ def build(kind: str, stages: int, microbatches: int, chunks: int) -> Timetable:
                 if vs == 0 or forwarded.get((vs - 1, j), step) < step:
                     f, next_f[s] = c * m + j, next_f[s] + 1
             row.append((f, b))
+        # A put-off weight pass runs where it fits in the step's busiest stage's time, where the
+        # stage has put off its most, or once its backwards are done.
+        busiest = max((f != IDLE) + (b != IDLE) for f, b in row)
+        weight = [IDLE] * s_
+        for s, (f, b) in enumerate(row):
+            done = next_b[s] == len(backward_order)
+            if put_off[s] and ((f != IDLE) + (b != IDLE) < busiest or len(put_off[s]) >= s + 1 or done):
+                weight[s] = put_off[s].pop(0)
+            if split and b != IDLE:
+                put_off[s].append(b)
+        weights.append(weight)
         for s, (f, b) in enumerate(row):  # what ran in this step is visible from the next
             if f != IDLE:
                 forwarded[((f // m) * s_ + s, f % m)] = step
@@ -130,10 +171,33 @@ def build(kind: str, stages: int, microbatches: int, chunks: int) -> Timetable:
         if step > 4 * (m * v + v * s_) + 8:
             raise RuntimeError(f"the {kind} timetable for S={s_}, M={m}, v={v} does not finish")
     units = np.array(rows)  # [steps, stages, 2]
-    return _with_slots(units[..., 0], units[..., 1], s_, m, v)
+    return _with_slots(units[..., 0], units[..., 1], np.array(weights), s_, m, v)
 
 
-def _with_slots(forward: np.ndarray, backward: np.ndarray, s_: int, m: int, v: int) -> Timetable:
+def _held_slots(stored: np.ndarray, read: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """Slots for values a stage keeps from the step a unit is in `stored` until the step it is in
+    `read` ([steps, stages] units or IDLE); a slot read in a step is free to store into in that
+    step (the loop reads before it stores). (store slots, read slots, slots), unused entries the
+    scratch slot."""
+    store, load = np.full(stored.shape, -1, np.int32), np.full(read.shape, -1, np.int32)
+    used = 0
+    for s in range(stored.shape[1]):
+        free, slot_of, count = [], {}, 0
+        for t in range(stored.shape[0]):
+            if int(read[t, s]) in slot_of:
+                load[t, s] = slot_of.pop(int(read[t, s]))
+                free.append(load[t, s])
+            if stored[t, s] != IDLE:
+                slot = min(free) if free else count
+                free.remove(slot) if free else None
+                count = max(count, slot + 1)
+                store[t, s] = slot_of[int(stored[t, s])] = slot
+        used = max(used, count)
+    store[store < 0], load[load < 0] = used, used
+    return store, load, used
+
+
+def _with_slots(forward: np.ndarray, backward: np.ndarray, weight: np.ndarray, s_: int, m: int, v: int) -> Timetable:
     """Buffer slots for the table: an input is stashed from its arrival until its backward, a
     gradient waits from its arrival (or, on the last virtual stage, its loss) until its backward."""
     steps, last = forward.shape[0], v * s_ - 1
@@ -192,4 +256,11 @@ def _with_slots(forward: np.ndarray, backward: np.ndarray, s_: int, m: int, v: i
     x_slots, g_slots = max(x_used), max(g_used)
     for name, table in tables.items():  # unused: the scratch slot
         table[table < 0] = g_slots if name in ("backward_g", "received_g", "loss_g") else x_slots
-    return Timetable(forward, backward, **tables, x_slots=x_slots, g_slots=g_slots)
+    split = (weight != IDLE).any()
+    # Split backwards: a forward's residuals wait for its backward, the backward's taps for its weight pass.
+    forward_r, backward_r, r_slots = _held_slots(forward if split else np.full_like(forward, IDLE), backward)
+    backward_w, weight_w, w_slots = _held_slots(backward if split else np.full_like(backward, IDLE), weight)
+    return Timetable(
+        forward, backward, **tables, weight=weight, forward_r=forward_r, backward_r=backward_r,
+        backward_w=backward_w, weight_w=weight_w, x_slots=x_slots, g_slots=g_slots, r_slots=r_slots, w_slots=w_slots,
+    )  # fmt: skip

@@ -8,6 +8,7 @@ import dataclasses
 import math
 
 from jaxllm.config import MESH_AXES, RunConfig
+from jaxllm.parallel import timetable
 from jaxllm.plan.comm import Transfer, communication
 from jaxllm.plan.flops import flops_per_token, recomputed_flops_per_token
 from jaxllm.plan.hardware import DEFAULT_EFFICIENCY, Accelerator, Efficiency
@@ -83,7 +84,7 @@ def estimate(cfg: RunConfig, accelerator: Accelerator, efficiency: Efficiency = 
     peak = accelerator.fp8_flops if m.fp8.enabled else accelerator.bf16_flops
     compute = hardware_flops / (peak * efficiency.matmul)
     if (schedule := cfg.parallel.pipeline) is not None:
-        compute /= 1 - schedule.bubble
+        compute /= 1 - timetable.bubble_of(schedule)
     exposed = overlapped = 0.0
     for transfer in communication(cfg):
         time = seconds(transfer, sizes, accelerator, efficiency)

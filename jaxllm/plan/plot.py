@@ -39,7 +39,8 @@ def schedule_picture(schedule: Schedule) -> dict:
     """What a drawing of `schedule` shows, as plain data (the docs' pictures digest it)."""
     table = schedule.kind in TABLE_SCHEDULES
     grid = timetable_grid(schedule) if table else schedule_grid(schedule)
-    return {**schedule._asdict(), "bubble": round(schedule.bubble, 6), "table": table, "grid": grid.tolist()}
+    bubble = round(timetable.bubble_of(schedule), 6)
+    return {**schedule._asdict(), "bubble": bubble, "table": table, "grid": grid.tolist()}
 
 
 def draw_schedule(ax, picture: dict) -> None:

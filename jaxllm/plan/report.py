@@ -57,7 +57,7 @@ def summary(cfg: RunConfig, convention: str = "ours") -> str:
             loop = f"{schedule.iterations} iterations forward, then back"
         lines.append(
             f"pipeline {schedule.kind}: {schedule.stages} stages × {schedule.repeats} chunks, "
-            f"{schedule.microbatches} microbatches, {loop}, bubble {schedule.bubble:.1%}"
+            f"{schedule.microbatches} microbatches, {loop}, bubble {timetable.bubble_of(schedule):.1%}"
         )
     return "\n".join(lines)
 

@@ -21,6 +21,7 @@ import sys
 from collections.abc import Iterable, Mapping
 
 from jaxllm.config import CHUNKED_SCHEDULES, ConfigError, RunConfig, validate
+from jaxllm.parallel import timetable
 from jaxllm.plan.estimate import Estimate, estimate
 from jaxllm.plan.hardware import DEFAULT_EFFICIENCY, Accelerator, Efficiency, GiB
 from jaxllm.plan.memory import memory
@@ -99,7 +100,7 @@ def planned(cfg: RunConfig, accelerator: Accelerator, efficiency: Efficiency) ->
         "tokens_per_s": t.batch_size * t.seq_len / e.step,
         "peak_bytes": memory(cfg)["total"],
         "comm_share": e.comm_share,
-        "bubble": schedule.bubble if schedule is not None else None,
+        "bubble": timetable.bubble_of(schedule) if schedule is not None else None,
         "compute_s": unit.compute,
         "exposed_s": unit.exposed,
         "overlapped_s": unit.overlapped,

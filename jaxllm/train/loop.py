@@ -304,7 +304,7 @@ class Loop:
                     "mfu": self.flops_per_step / step_time / self.peak,
                 }
             if self.run.schedule is not None:
-                metrics["bubble"] = self.run.schedule.bubble
+                metrics["bubble"] = timetable.bubble_of(self.run.schedule)
             if (mem := memory_in_use()) is not None:
                 metrics["memory_bytes"] = mem
             metrics |= memory_fractions()

@@ -55,6 +55,15 @@ CASES = {
     "interleaved S2 M8 R2 tensor2 data2 sequence parallel": (
         2, 8, 2, dict(tensor=2, data=2, sequence_parallel=True, schedule="interleaved_1f1b"), {},
     ),
+    "zero bubble S2 M4 data4": (2, 4, 1, dict(data=4, schedule="zero_bubble"), {}),
+    "zero bubble S2 M2 tensor2 data2": (2, 2, 1, dict(tensor=2, data=2, schedule="zero_bubble"), {}),
+    "zero bubble S4 M8 fsdp2": (4, 8, 1, dict(fsdp=2, data=1, schedule="zero_bubble"), {}),
+    "zero bubble S4 M16 tensor2 remat full": (
+        4, 16, 1, dict(tensor=2, data=1, schedule="zero_bubble"), dict(remat="full"),
+    ),
+    "zero bubble S4 M4 data2 sequence parallel": (
+        4, 4, 1, dict(tensor=2, data=1, sequence_parallel=True, schedule="zero_bubble"), {},
+    ),
 }  # fmt: skip
 
 
