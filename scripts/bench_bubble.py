@@ -34,7 +34,7 @@ from jaxllm.profile.capture import stages_of  # noqa: E402
 from jaxllm.train.run import build_run  # noqa: E402
 from jaxllm.train.step import compile_train_step, init_state  # noqa: E402
 
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("circular", 2), ("interleaved_1f1b", 2))
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("circular", 2), ("interleaved_1f1b", 2), ("zero_bubble", 1))
 
 
 def profiled(schedule: str, chunks: int, steps: int):

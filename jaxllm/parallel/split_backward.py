@@ -106,14 +106,25 @@ def split_backward(fn, weights, x, rest) -> Split:
     invars = [("input", i) for i in range(len(closed.jaxpr.invars))]
     names.update(zip(closed.jaxpr.invars, invars, strict=False))
     outvars = _flatten(closed.jaxpr, names, ops, consts)
-    n = len(jax.tree.leaves(weights))
+    n, n_x = len(jax.tree.leaves(weights)), len(jax.tree.leaves(x))
+    n_in = n + n_x + len(jax.tree.leaves(rest))
+    # Values that depend on the unit's data (x or g); the rest (a weight's slice or cast, a rope
+    # table) each part recomputes rather than keeps.
+    data = set(invars[n : n + n_x]) | set(invars[n_in:])
+    for op in ops:
+        if any(not isinstance(v, core.Literal) and v in data for v in op.ins):
+            data.update(op.outs)
     forward = _needed(ops, outvars[:1], set())
-    grads = _needed(ops, outvars[1 + n :], set(forward))
+    kept = {i for i in forward if ops[i].outs and ops[i].outs[0] in data}
+    grads = _needed(ops, outvars[1 + n :], kept)
     weight = _needed(ops, outvars[1 : 1 + n], set(forward) | set(grads))
+    made_in_grads = {v for i in grads for v in ops[i].outs}
+    recomputed = [v for v in _read_by(ops, weight, [], {v for i in forward for v in ops[i].outs}) if v not in data]
+    grads = sorted(set(grads) | set(_needed(ops, [v for v in recomputed if v not in made_in_grads], kept)))
     made_before_weights = {v for i in forward + grads for v in ops[i].outs} | set(invars)
     return Split(
         ops, consts, invars, [v.aval for v in closed.jaxpr.invars], outvars, (forward, grads, weight),
-        _read_by(ops, grads + weight, outvars[1:], {v for i in forward for v in ops[i].outs}),
+        _read_by(ops, grads + weight, outvars[1:], {v for i in kept for v in ops[i].outs}),
         _read_by(ops, weight, outvars[1 : 1 + n], made_before_weights),
         jax.tree.structure(weights), jax.tree.structure(x),
     )  # fmt: skip

@@ -53,12 +53,13 @@ def _elements_per_device(shape, axes, rules, mesh: jax.sharding.AbstractMesh, fi
     return math.prod(-(-d // n) for d, n in zip(shape, splits, strict=True))
 
 
-def _stash_per_token(model: ModelConfig, seq: int, tensor: int, sp: bool) -> tuple[dict, float]:
+def _stash_per_token(model: ModelConfig, seq: int, tensor: int, sp: bool) -> tuple[dict, float, float]:
     """Bytes per token on one device of one layer's activations: (what each remat policy keeps
     on the device for the backward pass, what the backward pass holds while it rebuilds the layer
-    and takes its gradient). The tensors are those the layer tags for its
-    policies (`decoder.SAVED_NAMES`, the dots' outputs); `tests/unit/test_memory_plan.py` checks
-    them against the compiler's memory analysis under every policy."""
+    and takes its gradient, what a split backward hands its weight gradients: each projection's
+    input and output gradient, each norm's normalised input and output gradient). The tensors are
+    those the layer tags for its policies (`decoder.SAVED_NAMES`, the dots' outputs);
+    `tests/unit/test_memory_plan.py` checks them against the compiler's memory analysis under every policy."""
     s, a = model, jnp.dtype(model.dtype).itemsize
     residual = model.hidden * a / (tensor if sp else 1)  # the residual stream between blocks
     block = model.hidden * a  # a block's gathered input, and its partial output before the sum
@@ -83,7 +84,8 @@ def _stash_per_token(model: ModelConfig, seq: int, tensor: int, sp: bool) -> tup
     # and their gradients, not all live together), as the test layouts and configs/1b.py, 8b.py
     # measure.
     rebuilt = (projections + others) * 4 / a + REBUILT_SCORES * 4 * scores
-    return kept, rebuilt
+    taps = projections + (2 * block + q + mlp) + 2 * 2 * block * 4 / a
+    return kept, rebuilt, taps
 
 
 REBUILT_SCORES = 2.5
@@ -128,7 +130,7 @@ def memory(cfg: RunConfig) -> dict[str, float]:
     out["gathered weights + their fp32 gradient"] = gathered
     data, tensor, stage = sizes["data"] * sizes["fsdp"], sizes["tensor"], sizes["stage"]
     rows = t.batch_size // data // t.grad_accum_steps  # sequences per device per microstep
-    kept, rebuilt = _stash_per_token(m, t.seq_len, tensor, p.sequence_parallel)
+    kept, rebuilt, taps = _stash_per_token(m, t.seq_len, tensor, p.sequence_parallel)
     stash = kept[m.remat]
     residual = m.hidden * jnp.dtype(m.dtype).itemsize / (tensor if p.sequence_parallel else 1)
     if schedule is None:
@@ -139,6 +141,8 @@ def memory(cfg: RunConfig) -> dict[str, float]:
         # backward in flight; one unit's chunk rebuilt at a time, as GPipe's stage
         slots = timetable.of(schedule)
         edges = (schedule.microbatches + slots.x_slots + slots.g_slots + 4) * tokens * residual
+        if slots.split:  # zero_bubble: held units' residuals (what the remat policy keeps) and put-off units' taps
+            edges += (slots.r_slots * stash + slots.w_slots * taps) * layers * tokens
     else:  # a GPipe loop keeps each iteration's input and output
         edges = 2 * schedule.iterations * tokens * residual if schedule else 0.0
     # A pipeline's backward rebuilds one iteration's layers; when those are a single group, its
@@ -188,5 +192,5 @@ def layer_activation_bytes(
     model: ModelConfig, seq: int, batch: int, tensor: int = 1, sequence_parallel: bool = False
 ) -> dict[str, float]:
     """One layer's activations kept for the backward pass, per device, by remat policy."""
-    kept, _ = _stash_per_token(model, seq, tensor, sequence_parallel)
+    kept, *_ = _stash_per_token(model, seq, tensor, sequence_parallel)
     return {policy: n * seq * batch for policy, n in kept.items()}
