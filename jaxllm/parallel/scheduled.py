@@ -157,46 +157,46 @@ def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_
             rbuf = [_buffer(a, table.r_slots) for a in halves.avals(halves.residuals)]
             wbuf = [_buffer(a, table.w_slots) for a in halves.avals(halves.taps)]
 
-        def back(carry, unit, x_slot, g_slot, r_slot, w_slot):
-            """The unit's input gradient, and its weight gradients unless they are put off (split)."""
-            xbuf, gbuf, micro, grads, head_grads, total, rbuf, wbuf = carry
+        def back(carry, unit, x_slot, g_slot, residuals):
+            """The unit's input gradient and, split, its taps (its weight gradients put off); else
+            its weight gradients too."""
+            xbuf, gbuf, micro, grads, head_grads, total = carry
             chunk, j, unit_ctx = context(unit)
             inputs = stage_input(xbuf, micro, x_slot, chunk, j)
             chunk_copies = jax.tree.map(lambda c: c[chunk], copies)
             rest = (chunk_copies, unit_ctx)
+            taps = []
             if halves is None:
                 _, vjp = jax.vjp(lambda sinks, inputs: apply(sinks, inputs, rest), sinks_of(chunk_copies), inputs)
                 dsinks, dx = vjp(gbuf[g_slot])
                 grads = add_grads(grads, chunk, dsinks)
             else:
-                residuals = [b[r_slot] for b in rbuf]
                 dx, taps = halves.input_grad(sinks_of(chunk_copies), inputs, rest, gbuf[g_slot], residuals)
-                wbuf = [b.at[w_slot].set(_like(t, b)) for b, t in zip(wbuf, taps, strict=False)]
             first = (stage == 0) & (chunk == 0)  # its input gradient is the embedding's
             micro = micro.at[j].set(jnp.where(first, dx, micro[j]))
-            return (xbuf, gbuf, micro, grads, head_grads, total, rbuf, wbuf), dx
+            return (xbuf, gbuf, micro, grads, head_grads, total), (dx, _typed_like(taps, wbuf))
 
-        def weigh(carry, unit, w_slot):
+        def weigh(carry, unit, taps):
             """The put-off weight gradients of a unit (split)."""
-            xbuf, gbuf, micro, grads, head_grads, total, rbuf, wbuf = carry
-            grads = add_grads(grads, unit // m, halves.weight_grad([b[w_slot] for b in wbuf]))
-            return xbuf, gbuf, micro, grads, head_grads, total, rbuf, wbuf
+            xbuf, gbuf, micro, grads, head_grads, total = carry
+            grads = add_grads(grads, unit // m, halves.weight_grad(taps))
+            return xbuf, gbuf, micro, grads, head_grads, total
 
-        def fore(carry, unit, x_slot, r_slot):
-            xbuf, gbuf, micro, grads, head_grads, total, rbuf, wbuf = carry
+        def fore(carry, unit, x_slot):
+            """The unit's output and, split, the residuals its backward reads."""
+            xbuf, _, micro, *_ = carry
             chunk, j, unit_ctx = context(unit)
             inputs = stage_input(xbuf, micro, x_slot, chunk, j)
             chunk_copies = jax.tree.map(lambda c: c[chunk], copies)
             if halves is None:
-                return carry, stack_fn(chunk_copies, inputs, unit_ctx)
+                return carry, (stack_fn(chunk_copies, inputs, unit_ctx), [])
             out, residuals = halves.forward(sinks_of(chunk_copies), inputs, (chunk_copies, unit_ctx))
-            rbuf = [b.at[r_slot].set(_like(r, b)) for b, r in zip(rbuf, residuals, strict=False)]
-            return (xbuf, gbuf, micro, grads, head_grads, total, rbuf, wbuf), out
+            return carry, (out, _typed_like(residuals, rbuf))
 
         def with_loss(carry, sent_x, unit, loss_slot):
             """Every stage's share of the loss of the last virtual stage's output `sent_x` (on the
             last stage), the gradient of that output to the last stage's `loss_slot`."""
-            xbuf, gbuf, micro, grads, head_grads, total, *held = carry
+            xbuf, gbuf, micro, grads, head_grads, total = carry
             j = unit % m
             out = jax.lax.psum(jnp.where(stage == last[0], sent_x, jnp.zeros_like(sent_x)), "stage")
             value, vjp = jax.vjp(
@@ -205,27 +205,36 @@ def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_
             dhead, dout = vjp(jnp.ones_like(value))
             head_grads = jax.tree.map(lambda g, d: g + varying_like(d, g), head_grads, dhead)
             gbuf = gbuf.at[loss_slot].set(varying_like(dout, gbuf))
-            return xbuf, gbuf, micro, grads, head_grads, total + varying_like(value, total), *held
+            return xbuf, gbuf, micro, grads, head_grads, total + varying_like(value, total)
 
         def step(carry, row):
             (forward, backward, forward_x, backward_x, backward_g, received_x, received_g, loss_g, weight,
              forward_r, backward_r, backward_w, weight_w) = (a[stage] for a in row)  # fmt: skip
+            carry, rbuf, wbuf, (r_slot, stored_r, w_slot, stored_w) = carry
             idle = jnp.zeros_like(micro[0])
-            # Reads before stores: a slot read in a step may be stored into in the same step.
+            # The residual and tap buffers stay out of the branches. What the last step's cells
+            # stored is written first, then this step's cells read: XLA keeps a buffer read
+            # before it is written in the same step twice. A slot read in a step may be written
+            # by that step's cells (it is, in the next); an idle cell writes the scratch slot.
+            rbuf = [b.at[r_slot].set(r) for b, r in zip(rbuf, stored_r, strict=True)]
+            wbuf = [b.at[w_slot].set(t) for b, t in zip(wbuf, stored_w, strict=True)]
             if halves is not None:
-                carry = jax.lax.cond(weight != IDLE, lambda c: weigh(c, weight, weight_w), lambda c: c, carry)
-            carry, sent_g = jax.lax.cond(
+                taps = [b[weight_w] for b in wbuf]
+                carry = jax.lax.cond(weight != IDLE, lambda c: weigh(c, weight, taps), lambda c: c, carry)
+            residuals = [b[backward_r] for b in rbuf]
+            carry, (sent_g, taps) = jax.lax.cond(
                 backward != IDLE,
-                lambda c: back(c, backward, backward_x, backward_g, backward_r, backward_w),
-                lambda c: (c, idle),
+                lambda c: back(c, backward, backward_x, backward_g, residuals),
+                lambda c: (c, (idle, [jnp.zeros_like(b[0]) for b in wbuf])),
                 carry,
             )
-            carry, sent_x = jax.lax.cond(
+            carry, (sent_x, residuals) = jax.lax.cond(
                 forward != IDLE,
-                lambda c: fore(c, forward, forward_x, forward_r),
-                lambda c: (c, idle),
+                lambda c: fore(c, forward, forward_x),
+                lambda c: (c, (idle, [jnp.zeros_like(b[0]) for b in rbuf])),
                 carry,
             )
+            stored = (forward_r, residuals, backward_w, taps)
             # The same on every device (the table's row is), so every stage joins the loss's collectives.
             final = row[0][last[0]]  # the last stage's forward
             carry = jax.lax.cond(
@@ -237,10 +246,12 @@ def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_
             xbuf, gbuf, *rest = carry
             xbuf = xbuf.at[received_x].set(jax.lax.ppermute(sent_x, "stage", to_next))
             gbuf = gbuf.at[received_g].set(jax.lax.ppermute(sent_g, "stage", to_previous))
-            return (xbuf, gbuf, *rest), None
+            return ((xbuf, gbuf, *rest), rbuf, wbuf, stored), None
 
-        carry = (xbuf, gbuf, micro, grads, head_grads, total, rbuf, wbuf)
-        (_, _, micro, grads, head_grads, total, *_), _ = jax.lax.scan(step, carry, columns)
+        scratch = [varying_over(jnp.int32(n), ("stage",)) for n in (table.r_slots, table.w_slots)]  # as a row's slots
+        nothing = (scratch[0], [jnp.zeros_like(b[0]) for b in rbuf], scratch[1], [jnp.zeros_like(b[0]) for b in wbuf])
+        carry = ((xbuf, gbuf, micro, grads, head_grads, total), rbuf, wbuf, nothing)
+        ((_, _, micro, grads, head_grads, total), *_), _ = jax.lax.scan(step, carry, columns)
         grads = jax.tree.map(lambda g, spec: reduced_grad(g, P(*spec[1:]))[None], grads, shard_specs)
         # Summed over the devices that hold the same block of the head, then each `tensor` block put
         # together from its stages' blocks: it leaves as the head is stored, which XLA then slices
@@ -273,6 +284,6 @@ def _buffer(aval, slots: int) -> jax.Array:
     return varying_over(jnp.zeros((slots + 1, *aval.shape), aval.dtype), tuple(sorted(aval.manual_axis_type.varying)))
 
 
-def _like(value: jax.Array, buffer: jax.Array) -> jax.Array:
-    """`value` typed as varying over what `buffer` varies over, to be stored in it."""
-    return varying_over(value, tuple(sorted(varying_axes(buffer))))
+def _typed_like(values: list, buffers: list) -> list:
+    """`values` typed as varying over what their `buffers` vary over, to be stored in them."""
+    return [varying_over(v, tuple(sorted(varying_axes(b)))) for v, b in zip(values, buffers, strict=True)]

@@ -20,8 +20,7 @@ the units a stage holds in flight (forwarded, not yet back-propagated), whose in
   split (`split_backward.py`) into the input gradient, which the previous stage waits for, and
   the weight gradients, which wait in the stage until a step has room for them: where 1F1B's
   stages idle while the last microbatches' gradients travel back, these stages compute the weight
-  gradients they put off. A stage puts off at most S − s of them, so it holds about what 1F1B
-  holds.
+  gradients they put off. A stage puts off fewer than 2S of them, whatever M.
 
 The table also assigns every stashed input and every waiting gradient a slot in a small buffer, so
 the loop's memory is the most a stage ever holds, not M microbatches.
@@ -150,14 +149,15 @@ def build(kind: str, stages: int, microbatches: int, chunks: int) -> Timetable:
                 if vs == 0 or forwarded.get((vs - 1, j), step) < step:
                     f, next_f[s] = c * m + j, next_f[s] + 1
             row.append((f, b))
-        # A put-off weight pass runs where it fits in the step's busiest stage's time, where the
-        # stage has put off its most, or once its backwards are done.
-        busiest = max((f != IDLE) + (b != IDLE) for f, b in row)
-        weight = [IDLE] * s_
-        for s, (f, b) in enumerate(row):
-            done = next_b[s] == len(backward_order)
-            if put_off[s] and ((f != IDLE) + (b != IDLE) < busiest or len(put_off[s]) >= s + 1 or done):
-                weight[s] = put_off[s].pop(0)
+        # A put-off weight pass runs where the step's busiest stage leaves its stage room; and
+        # where every stage can fill a longer step with one, the step takes them all (no stage
+        # idles for it). The rest wait, for the warm-up's and cool-down's short steps.
+        cost = [(f != IDLE) + (b != IDLE) for f, b in row]
+        level = max(*cost, 1)
+        if all(c + bool(p) > level for c, p in zip(cost, put_off, strict=True)):
+            level += 1
+        weight = [put_off[s].pop(0) if put_off[s] and cost[s] < level else IDLE for s in range(s_)]
+        for s, (_, b) in enumerate(row):
             if split and b != IDLE:
                 put_off[s].append(b)
         weights.append(weight)

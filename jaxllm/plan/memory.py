@@ -141,8 +141,9 @@ def memory(cfg: RunConfig) -> dict[str, float]:
         # backward in flight; one unit's chunk rebuilt at a time, as GPipe's stage
         slots = timetable.of(schedule)
         edges = (schedule.microbatches + slots.x_slots + slots.g_slots + 4) * tokens * residual
-        if slots.split:  # zero_bubble: held units' residuals (what the remat policy keeps) and put-off units' taps
-            edges += (slots.r_slots * stash + slots.w_slots * taps) * layers * tokens
+        if slots.split:  # zero_bubble: held units' residuals (what the remat policy keeps) and put-off
+            # units' taps, each buffer with its scratch slot and the one the loop writes next step
+            edges += ((slots.r_slots + 2) * stash + (slots.w_slots + 2) * taps) * layers * tokens
     else:  # a GPipe loop keeps each iteration's input and output
         edges = 2 * schedule.iterations * tokens * residual if schedule else 0.0
     # A pipeline's backward rebuilds one iteration's layers; when those are a single group, its

@@ -1,13 +1,13 @@
-"""The timetables of 1F1B and interleaved 1F1B, replayed step by step: every unit once, in an order
-its data allows, its buffers never overwritten while live, its memory bounded by the stages rather
-than the microbatches, and its bubble the one the planner states."""
+"""The timetables of 1F1B, interleaved 1F1B and zero-bubble, replayed step by step: every unit
+once, in an order its data allows, its buffers never overwritten while live, its memory bounded by
+the stages rather than the microbatches, and its bubble the one the planner states."""
 
 import pytest
 
 from jaxllm.config import Schedule
 from jaxllm.parallel.timetable import IDLE, build
 
-CASES = [("1f1b", s, m, 1) for s in (2, 4) for m in (s, 2 * s, 4 * s)] + [
+CASES = [(kind, s, m, 1) for kind in ("1f1b", "zero_bubble") for s in (2, 4) for m in (s, 2 * s, 4 * s)] + [
     ("interleaved_1f1b", s, m, v) for s in (2, 4) for m in (s, 2 * s, 4 * s) for v in (2, 3)
 ]
 
@@ -40,6 +40,13 @@ def test_every_unit_runs_once_after_what_it_needs(kind, stages, microbatches, ch
                 backpropagated[(vs, j)] = t
     every = {(vs, j) for vs in range(last + 1) for j in range(microbatches)}
     assert forwarded.keys() == every and backpropagated.keys() == every
+    # Split backwards: each unit's weight pass once, in a step after its backward.
+    weighed = {(s, w): t for t in range(table.steps) for s in range(stages) if (w := table.weight[t, s]) != IDLE}
+    if table.split:
+        assert weighed.keys() == {(vs, j) for vs, j in every}
+        assert all(backpropagated[(s, w)] < t for (s, w), t in weighed.items())
+    else:
+        assert not weighed
 
 
 @pytest.mark.parametrize("kind, stages, microbatches, chunks", CASES)
@@ -69,6 +76,24 @@ def test_buffers_hand_each_read_the_value_written_for_it(kind, stages, microbatc
             gbuf[s][table.received_g[t, s]] = sent_g[(s + 1) % stages]
 
 
+@pytest.mark.parametrize("stages, microbatches", [(s, m) for s in (2, 4) for m in (s, 2 * s, 4 * s)])
+def test_split_backwards_find_their_residuals_and_taps(stages, microbatches):
+    """Zero-bubble's own buffers, replayed in the loop's order (weight pass, backward, forward):
+    a backward reads the residuals its forward stored, a weight pass the taps its backward stored."""
+    table = build("zero_bubble", stages, microbatches, 1)
+    rbuf = [[None] * (table.r_slots + 1) for _ in range(stages)]
+    wbuf = [[None] * (table.w_slots + 1) for _ in range(stages)]
+    for t in range(table.steps):
+        for s in range(stages):
+            if (w := table.weight[t, s]) != IDLE:
+                assert wbuf[s][table.weight_w[t, s]] == w
+            if (b := table.backward[t, s]) != IDLE:
+                assert rbuf[s][table.backward_r[t, s]] == b
+                wbuf[s][table.backward_w[t, s]] = b
+            if (f := table.forward[t, s]) != IDLE:
+                rbuf[s][table.forward_r[t, s]] = f
+
+
 @pytest.mark.parametrize("kind, chunks", [("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3)])
 @pytest.mark.parametrize("stages", [2, 4])
 def test_units_in_flight_are_set_by_the_stages_not_the_microbatches(kind, chunks, stages):
@@ -80,7 +105,7 @@ def test_units_in_flight_are_set_by_the_stages_not_the_microbatches(kind, chunks
         assert table.x_slots <= max(table.held) and table.g_slots <= 2
 
 
-@pytest.mark.parametrize("kind, stages, microbatches, chunks", CASES)
+@pytest.mark.parametrize("kind, stages, microbatches, chunks", [c for c in CASES if c[0] != "zero_bubble"])
 def test_bubble_is_the_planners(kind, stages, microbatches, chunks):
     """The timetable's idle fraction, each step as long as its busiest stage, is the schedule's
     stated bubble: 1F1B's is GPipe's, interleaved 1F1B's the circular schedule's."""
@@ -94,3 +119,15 @@ def test_bubble_is_the_planners(kind, stages, microbatches, chunks):
 def test_interleaving_two_chunks_shrinks_the_bubble_to_at_most_0_6_of_1f1b(stages, microbatches):
     interleaved = build("interleaved_1f1b", stages, microbatches, 2).bubble()
     assert interleaved <= 0.6 * build("1f1b", stages, microbatches, 1).bubble()
+
+
+@pytest.mark.parametrize("stages", [2, 4, 8])
+def test_zero_bubble_halves_1f1b_bubble_and_puts_off_fewer_than_2s_weight_passes(stages):
+    """With a forward, an input gradient and a weight pass each costing 1 (1F1B's backward 2), the
+    bubble is at most half 1F1B's from M = 2S; the weight passes a stage puts off (its taps'
+    slots) and the units it holds stay below 2S at M = 2S, 4S and 8S."""
+    for m in (2 * stages, 4 * stages, 8 * stages):
+        table = build("zero_bubble", stages, m, 1)
+        assert table.bubble() <= 0.5 * build("1f1b", stages, m, 1).bubble()
+        assert table.w_slots < 2 * stages and table.r_slots < 2 * stages
+        assert list(table.held) == [2 * (stages - s) - 1 for s in range(stages)]
