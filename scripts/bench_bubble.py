@@ -91,9 +91,10 @@ def main() -> None:
         print(f"{schedule:>18} {chunks:>6} {timetable.bubble_of(run_schedule):>9.3f} {measured[schedule]:>9.3f}")
         if args.plot and summary.stage_work is not None:
             plot(args.plot, run_schedule, summary)
-    analytic = timetable.build("interleaved_1f1b", 4, 8, 2).bubble() / timetable.build("1f1b", 4, 8, 1).bubble()
-    ratio = measured["interleaved_1f1b"] / measured["1f1b"]
-    print(f"interleaved 1F1B ÷ 1F1B, measured {ratio:.2f}, analytic {analytic:.2f}")
+    one_f_one_b = timetable.build("1f1b", 4, 8, 1).bubble()
+    for kind, chunks, name in (("interleaved_1f1b", 2, "interleaved 1F1B"), ("zero_bubble", 1, "zero-bubble")):
+        analytic = timetable.build(kind, 4, 8, chunks).bubble() / one_f_one_b
+        print(f"{name} ÷ 1F1B, measured {measured[kind] / measured['1f1b']:.2f}, analytic {analytic:.2f}")
 
 
 if __name__ == "__main__":

@@ -85,12 +85,16 @@ class Timetable(NamedTuple):
         """Whether the weight gradients are computed apart from the backward (`zero_bubble`)."""
         return bool((self.weight != IDLE).any())
 
-    def bubble(self, backward_cost: float = BACKWARD_COST) -> float:
-        """The fraction of stage time idle when a forward costs 1 and a backward `backward_cost`
-        (split: each half 1), and every step lasts as long as its busiest stage's work (the stages
-        meet at every step)."""
+    def work(self, backward_cost: float = BACKWARD_COST) -> np.ndarray:
+        """[steps, stages]: each stage's work in each step when a forward costs 1 and a backward
+        `backward_cost` (split: its input gradient 1 and its weight pass 1)."""
         b, w = (1.0, 1.0) if self.split else (backward_cost, 0.0)
-        work = (self.forward != IDLE) + b * (self.backward != IDLE) + w * (self.weight != IDLE)
+        return (self.forward != IDLE) + b * (self.backward != IDLE) + w * (self.weight != IDLE)
+
+    def bubble(self, backward_cost: float = BACKWARD_COST) -> float:
+        """The fraction of stage time idle with `work`'s costs, every step as long as its busiest
+        stage's work (the stages meet at every step)."""
+        work = self.work(backward_cost)
         return float(1 - work.sum() / (work.shape[1] * work.max(axis=1).sum()))
 
 

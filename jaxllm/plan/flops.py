@@ -36,7 +36,7 @@ def recomputed_flops_per_token(cfg: RunConfig) -> float:
     """Forward FLOPs run again in the backward pass: one forward under every remat policy that
     rebuilds whole layers (none for `none`; the attention core for `selective`, `dots` and
     `offload`), plus one more forward of every stage in a pipeline, which rebuilds each
-    iteration's stage."""
+    iteration's stage (not `zero_bubble`'s, whose forward keeps what the policy keeps)."""
     model, seq = cfg.model, cfg.train.seq_len
     attention_core = attention_flops_per_token(model, seq) / 3
     forward = 2 * (applied_matmul_params(model) + lora_count(model, applied=True)) + attention_core
@@ -48,4 +48,5 @@ def recomputed_flops_per_token(cfg: RunConfig) -> float:
         "dots": attention_core,
         "offload": attention_core,
     }[model.remat]
-    return policy + (forward if cfg.parallel.stage > 1 else 0.0)
+    rebuilt = cfg.parallel.stage > 1 and cfg.parallel.schedule != "zero_bubble"
+    return policy + (forward if rebuilt else 0.0)

@@ -1,5 +1,6 @@
 """`--plot out.png`: memory per device by component, and the pipeline schedule (stage × iteration,
-or for 1F1B each stage's forwards and backwards × step; bubbles shaded). Needs matplotlib (the
+or for 1F1B each stage's forwards, backwards (and zero-bubble's weight passes) × step; bubbles
+shaded). Needs matplotlib (the
 `plot` extra)."""
 
 from __future__ import annotations
@@ -25,13 +26,19 @@ def schedule_grid(schedule: Schedule) -> np.ndarray:
     return np.where(busy, k % schedule.microbatches, BUBBLE)
 
 
+def timetable_parts(table: timetable.Timetable) -> tuple[str, ...]:
+    """The kinds of work a timetable's stages run: forward, backward, and weight pass if split."""
+    return ("F", "B", "W") if table.split else ("F", "B")
+
+
 def timetable_grid(schedule: Schedule) -> np.ndarray:
-    """[2·stages, steps] of a timetable-driven schedule: row 2s the microbatch stage s forwards in
-    each step, row 2s + 1 the one it back-propagates, or BUBBLE."""
+    """[parts·stages, steps] of a timetable-driven schedule (`timetable_parts`): row k·s + i the
+    microbatch stage s runs part i of in each step (forward, backward, weight pass), or BUBBLE."""
     table = timetable.of(schedule)
-    rows = np.empty((2 * schedule.stages, table.steps), dtype=int)
-    for column, units in ((0, table.forward), (1, table.backward)):
-        rows[column::2] = np.where(units.T == IDLE, BUBBLE, units.T % schedule.microbatches)
+    units = (table.forward, table.backward, table.weight)[: len(timetable_parts(table))]
+    rows = np.empty((len(units) * schedule.stages, table.steps), dtype=int)
+    for column, unit in enumerate(units):
+        rows[column :: len(units)] = np.where(unit.T == IDLE, BUBBLE, unit.T % schedule.microbatches)
     return rows
 
 
@@ -40,19 +47,22 @@ def schedule_picture(schedule: Schedule) -> dict:
     table = schedule.kind in TABLE_SCHEDULES
     grid = timetable_grid(schedule) if table else schedule_grid(schedule)
     bubble = round(timetable.bubble_of(schedule), 6)
-    return {**schedule._asdict(), "bubble": bubble, "table": table, "grid": grid.tolist()}
+    parts = timetable_parts(timetable.of(schedule)) if table else ()
+    return {**schedule._asdict(), "bubble": bubble, "table": table, "parts": parts, "grid": grid.tolist()}
 
 
 def draw_schedule(ax, picture: dict) -> None:
     grid = np.asarray(picture["grid"])
     ax.imshow(np.ones_like(grid), cmap="Greys", vmin=0, vmax=4, aspect="auto")  # bubbles: grey
-    if picture["table"]:  # forwards in one palette, backwards in another
-        for rows, cmap in ((slice(0, None, 2), "viridis"), (slice(1, None, 2), "plasma")):
+    if picture["table"]:  # forwards, backwards and weight passes each in their own palette
+        parts = picture["parts"]
+        for i, cmap in zip(range(len(parts)), ("viridis", "plasma", "cividis"), strict=False):
             shown = np.full(grid.shape, BUBBLE)
-            shown[rows] = grid[rows]
+            shown[i :: len(parts)] = grid[i :: len(parts)]
             ax.imshow(np.ma.masked_equal(shown, BUBBLE), cmap=cmap, aspect="auto", interpolation="nearest")
-        labels = [f"{s} {part}" for s in range(picture["stages"]) for part in ("F", "B")]
-        ax.set(xlabel="step", ylabel="stage: forward (F), backward (B)", yticks=range(len(labels)), yticklabels=labels)
+        labels = [f"{s} {part}" for s in range(picture["stages"]) for part in parts]
+        names = ", ".join(f"{n} ({p})" for n, p in zip(("forward", "backward", "weight pass"), parts, strict=False))
+        ax.set(xlabel="step", ylabel=f"stage: {names}", yticks=range(len(labels)), yticklabels=labels)
     else:
         ax.imshow(np.ma.masked_equal(grid, BUBBLE), cmap="viridis", aspect="auto", interpolation="nearest")
         ax.set(xlabel="iteration", ylabel="stage", yticks=range(picture["stages"]))
@@ -65,8 +75,9 @@ def draw_schedule(ax, picture: dict) -> None:
     )
 
 
-CELL_KINDS = {  # what a stage runs in a timetable's step: (forward, backward, share of the loss) → colour
+CELL_KINDS = {  # what a stage runs in a timetable's step → colour
     "forward": "#3182bd", "backward": "#e6550d", "forward and backward": "#756bb1", "share of the loss only": "#31a354",
+    "weight pass only": "#fdd0a2", "with a weight pass": "#8c6d31",
 }  # fmt: skip
 
 
@@ -75,13 +86,14 @@ def draw_measured_steps(ax, schedule: Schedule, work: np.ndarray, bubble: float)
     stage's `work` [steps, stages] (seconds), each stage's work a bar coloured by what the table
     has it run there, the rest of the step grey: the measured bubble, beside the table's picture."""
     table = timetable.of(schedule)
-    forward, backward = table.forward != IDLE, table.backward != IDLE
+    forward, backward, weight = table.forward != IDLE, table.backward != IDLE, table.weight != IDLE
     loss = np.broadcast_to(table.loss_steps[:, None], forward.shape)
     starts = np.concatenate([[0.0], np.cumsum(work.max(axis=1))]) * 1e3
     ax.barh(range(schedule.stages), starts[-1], left=0, color="#d9d9d9", height=0.8)  # idle unless covered
     for step, stage in np.ndindex(work.shape):
-        f, b = forward[step, stage], backward[step, stage]
+        f, b, w = forward[step, stage], backward[step, stage], weight[step, stage]
         kind = "forward and backward" if f and b else "forward" if f else "backward" if b else None
+        kind = "with a weight pass" if w and kind else "weight pass only" if w else kind
         kind = kind or ("share of the loss only" if loss[step, stage] else None)
         if kind:
             ax.barh(stage, work[step, stage] * 1e3, left=starts[step], color=CELL_KINDS[kind], height=0.8,

@@ -61,7 +61,7 @@ def _schedules(stage: int, repeats: int) -> list[str]:
     """The schedules a pipeline of `stage` stages and `repeats` chunks a stage can run."""
     if stage == 1:
         return ["gpipe"]
-    return list(CHUNKED_SCHEDULES) if repeats > 1 else list(CHUNKED_SCHEDULES.values())
+    return list(CHUNKED_SCHEDULES) if repeats > 1 else [*CHUNKED_SCHEDULES.values(), "zero_bubble"]
 
 
 def _divisors(n: int) -> list[int]:

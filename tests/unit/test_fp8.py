@@ -270,7 +270,7 @@ def test_fp8_trains_alike_on_every_layout(layout, fp8_single):
     _assert_same_training(_train(cfg, 2), fp8_single, bound=0.06)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble"])
 def test_fp8_pipeline_matches_gradient_accumulation(schedule):
     """amax is per microbatch: a pipeline of M microbatches (data-parallel inside its loop, where
     the pmax over `data` makes each microbatch's amax whole), GPipe's or 1F1B's timetable, against

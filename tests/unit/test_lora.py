@@ -169,8 +169,9 @@ def test_each_adapter_of_a_layer_draws_its_own_dropout_mask():
     [
         dict(data=1, fsdp=2, stage=2, tensor=2, microbatches=2, schedule="1f1b"),
         dict(data=1, fsdp=2, stage=2, tensor=2, microbatches=2, repeats=2, schedule="interleaved_1f1b"),
+        dict(data=1, fsdp=2, stage=2, tensor=2, microbatches=2, schedule="zero_bubble"),
     ],
-    ids=["1f1b", "interleaved 1f1b"],
+    ids=["1f1b", "interleaved 1f1b", "zero bubble"],
 )
 def test_lora_under_timetable_driven_pipelines_matches_one_device(layout):
     """Three steps of adapters (8 layers, so that two chunks a stage fall on group boundaries): the
@@ -185,7 +186,7 @@ def test_lora_under_timetable_driven_pipelines_matches_one_device(layout):
 
 
 def test_adapter_dropout_trains_on_every_layout_and_repeats_with_its_seed(single):
-    pipelines = [dict(data=2, stage=2, tensor=2, microbatches=2, schedule=s) for s in ("gpipe", "1f1b")]
+    pipelines = [dict(data=2, stage=2, tensor=2, microbatches=2, schedule=s) for s in ("gpipe", "1f1b", "zero_bubble")]
     runs = [_train(layout, dropout=0.3) for layout in ({}, {}, *pipelines)]
     one, again, *spread = (r["losses"] for r in runs)
     assert one == again  # the masks are a function of the seed and the step
