@@ -1,4 +1,4 @@
-"""A pipeline run by a timetable (`parallel/timetable.py`: 1F1B, interleaved 1F1B), whose forwards
+"""A pipeline run by a timetable (`parallel/timetable.py`: 1F1B, interleaved 1F1B, zero-bubble), whose forwards
 and backwards of different microbatches interleave, so a stage holds a few microbatches' inputs in
 flight where GPipe holds all M.
 
@@ -7,7 +7,10 @@ last microbatch's forward. So the head and the loss run inside it, and one `lax.
 `shard_map` (manual over every mesh axis) computes the loss and every gradient at once: in each
 step a stage back-propagates one work unit (recomputing its forward from the stashed input, as
 GPipe's rematerialised iterations do) and forwards another, then hands activations on and
-gradients back with one `ppermute` each. In a step where the last virtual stage forwards, every
+gradients back with one `ppermute` each. Under zero-bubble a unit's forward, input gradient and
+weight gradients are the three parts of one traced pass (`split_backward.py`): the forward keeps
+its residuals instead of being recomputed, the backward keeps its taps, and a third cell computes
+a put-off unit's weight gradients from them. In a step where the last virtual stage forwards, every
 stage takes its output and computes the loss on its block of the head's vocabulary, split over
 `tensor` × `stage` (a vocab-parallel cross-entropy, as in "Balancing Pipeline Parallelism with
 Vocabulary Parallelism"): the head costs each stage 1/S of itself, where on the last stage alone
@@ -179,7 +182,10 @@ def _run(specs, head, x, ctx, targets, mask, schedule: Schedule, stack_fn, loss_
         def weigh(carry, unit, taps):
             """The put-off weight gradients of a unit (split)."""
             xbuf, gbuf, micro, grads, head_grads, total = carry
-            grads = add_grads(grads, unit // m, halves.weight_grad(taps))
+            chunk, _, unit_ctx = context(unit)
+            chunk_copies = jax.tree.map(lambda c: c[chunk], copies)
+            dsinks = halves.weight_grad(sinks_of(chunk_copies), (chunk_copies, unit_ctx), taps)
+            grads = add_grads(grads, chunk, dsinks)
             return xbuf, gbuf, micro, grads, head_grads, total
 
         def fore(carry, unit, x_slot):

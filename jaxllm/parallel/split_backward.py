@@ -42,6 +42,7 @@ class Split(NamedTuple):
     ops: list[Op]
     consts: dict  # reference -> array
     invars: list  # references of (weights, x, rest, g)'s leaves
+    known: list  # those of weights' and rest's: what the weight part may recompute from
     input_avals: list
     outvars: list  # references (or literals) of (y, weight grads, x grad)'s leaves
     parts: tuple[list, list, list]  # indices into ops: forward, input gradient, weight gradients
@@ -63,9 +64,11 @@ class Split(NamedTuple):
         grads = [_read(env, v) for v in self.outvars[1 + self.weights.num_leaves :]]
         return self.inputs.unflatten(grads), [env[v] for v in self.taps]
 
-    def weight_grad(self, taps: list):
-        """The weights' gradients from the taps of an `input_grad`."""
-        env = self.consts | dict(zip(self.taps, taps, strict=True))
+    def weight_grad(self, weights, rest, taps: list):
+        """The weights' gradients from the taps of an `input_grad` (`weights` and `rest` for what
+        does not depend on the unit's data)."""
+        env = self.consts | dict(zip(self.known, jax.tree.leaves((weights, rest)), strict=True))
+        env |= dict(zip(self.taps, taps, strict=True))
         self._run(2, env)
         return self.weights.unflatten([_read(env, v) for v in self.outvars[1 : 1 + self.weights.num_leaves]])
 
@@ -75,7 +78,7 @@ class Split(NamedTuple):
         avals |= dict(zip(self.invars, self.input_avals, strict=True))
         return [avals[v] for v in values]
 
-    def _env(self, *args) -> dict:
+    def _env(self, *args) -> dict:  # (weights, x, rest) or (weights, x, rest, g)
         return self.consts | dict(zip(self.invars, jax.tree.leaves(args), strict=False))
 
     def _run(self, part: int, env: dict) -> None:
@@ -87,7 +90,7 @@ class Split(NamedTuple):
                 out = jax.lax.pcast(ins[0], axes, to="varying") if axes else ins[0]
             else:
                 out = op.primitive.bind(*ins, **op.params)
-            env.update(zip(op.outs, out if op.primitive.multiple_results else [out], strict=False))
+            env.update(zip(op.outs, out if op.primitive.multiple_results else [out], strict=True))
 
 
 def split_backward(fn, weights, x, rest) -> Split:
@@ -102,30 +105,31 @@ def split_backward(fn, weights, x, rest) -> Split:
     closed = jax.make_jaxpr(forward_backward)(weights, x, rest, g)
     ops, consts = [], {}
     names = {v: ("const", i) for i, v in enumerate(closed.jaxpr.constvars)}
-    consts.update(zip(names.values(), closed.consts, strict=False))
+    consts.update(zip(names.values(), closed.consts, strict=True))
     invars = [("input", i) for i in range(len(closed.jaxpr.invars))]
-    names.update(zip(closed.jaxpr.invars, invars, strict=False))
+    names.update(zip(closed.jaxpr.invars, invars, strict=True))
     outvars = _flatten(closed.jaxpr, names, ops, consts)
     n, n_x = len(jax.tree.leaves(weights)), len(jax.tree.leaves(x))
     n_in = n + n_x + len(jax.tree.leaves(rest))
-    # Values that depend on the unit's data (x or g); the rest (a weight's slice or cast, a rope
-    # table) each part recomputes rather than keeps.
+    # What depends on the unit's data (x or g) is computed once and handed on; the rest (a
+    # weight's slice or cast, a rope table) each part recomputes from the weights and `rest`.
     data = set(invars[n : n + n_x]) | set(invars[n_in:])
     for op in ops:
         if any(not isinstance(v, core.Literal) and v in data for v in op.ins):
             data.update(op.outs)
+    on_data = {i for i, op in enumerate(ops) if any(v in data for v in op.outs)}
     forward = _needed(ops, outvars[:1], set())
-    kept = {i for i in forward if ops[i].outs and ops[i].outs[0] in data}
-    grads = _needed(ops, outvars[1 + n :], kept)
-    weight = _needed(ops, outvars[1 : 1 + n], set(forward) | set(grads))
-    made_in_grads = {v for i in grads for v in ops[i].outs}
-    recomputed = [v for v in _read_by(ops, weight, [], {v for i in forward for v in ops[i].outs}) if v not in data]
-    grads = sorted(set(grads) | set(_needed(ops, [v for v in recomputed if v not in made_in_grads], kept)))
-    made_before_weights = {v for i in forward + grads for v in ops[i].outs} | set(invars)
+    grads = _needed(ops, outvars[1 + n :], on_data & set(forward))
+    weight = _needed(ops, outvars[1 : 1 + n], on_data & set(forward + grads))
+
+    def made_by(part):
+        return {v for i in part for v in ops[i].outs} & data
+
     return Split(
-        ops, consts, invars, [v.aval for v in closed.jaxpr.invars], outvars, (forward, grads, weight),
-        _read_by(ops, grads + weight, outvars[1:], {v for i in kept for v in ops[i].outs}),
-        _read_by(ops, weight, outvars[1 : 1 + n], made_before_weights),
+        ops, consts, invars, invars[:n] + invars[n + n_x : n_in], [v.aval for v in closed.jaxpr.invars], outvars,
+        (forward, grads, weight),
+        _read_by(ops, grads + weight, outvars[1:], made_by(forward)),
+        _read_by(ops, weight, outvars[1 : 1 + n], made_by(forward + grads) | set(invars[n : n + n_x] + invars[n_in:])),
         jax.tree.structure(weights), jax.tree.structure(x),
     )  # fmt: skip
 
@@ -144,11 +148,11 @@ def _flatten(jaxpr: core.Jaxpr, names: dict, ops: list, consts: dict) -> list:
             inner = eqn.params["jaxpr"]
             inner_consts = getattr(inner, "consts", [])
             inner = getattr(inner, "jaxpr", inner)
-            inner_names = dict(zip(inner.invars, ins, strict=False))
-            for v, c in zip(inner.constvars, inner_consts, strict=False):
+            inner_names = dict(zip(inner.invars, ins, strict=True))
+            for v, c in zip(inner.constvars, inner_consts, strict=True):
                 inner_names[v] = ("const", id(c))
                 consts[inner_names[v]] = c
-            for v, r in zip(eqn.outvars, _flatten(inner, inner_names, ops, consts), strict=False):
+            for v, r in zip(eqn.outvars, _flatten(inner, inner_names, ops, consts), strict=True):
                 names[v] = r
         else:
             outs = tuple(ref(v) for v in eqn.outvars)

@@ -84,7 +84,7 @@ def _stash_per_token(model: ModelConfig, seq: int, tensor: int, sp: bool) -> tup
     # and their gradients, not all live together), as the test layouts and configs/1b.py, 8b.py
     # measure.
     rebuilt = (projections + others) * 4 / a + REBUILT_SCORES * 4 * scores
-    taps = projections + (2 * block + q + mlp) + 2 * 2 * block * 4 / a
+    taps = projections + (2 * block + q + mlp) + 2 * (residual * 4 / a + block)  # each norm: its fp32 x̂, its gathered g
     return kept, rebuilt, taps
 
 
