@@ -61,6 +61,15 @@ def profiled(schedule: str, chunks: int, steps: int):
     return profiler.summary, run.schedule
 
 
+def cell_costs(table, work: np.ndarray) -> tuple[float, float, float]:
+    """The median work of the cells that run only a forward, only a backward, only a weight pass
+    (outside the steps with a share of the loss)."""
+    forward, backward, weight = (a != timetable.IDLE for a in (table.forward, table.backward, table.weight))
+    alone = ~table.loss_steps[:, None]
+    cells = (forward & ~backward & ~weight, backward & ~forward & ~weight, weight & ~forward & ~backward)
+    return tuple(float(np.median(work[c & alone])) for c in cells)
+
+
 def plot(directory: pathlib.Path, schedule, summary) -> None:
     import matplotlib
 
@@ -84,13 +93,20 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{jax.devices()[0].device_kind} × {jax.device_count()}, jax {jax.__version__}; 4 stages, 8 microbatches")
     print(f"{'schedule':>18} {'chunks':>6} {'analytic':>9} {'measured':>9}")
-    measured = {}
+    measured, costs = {}, {}
     for schedule, chunks in SCHEDULES:
         summary, run_schedule = profiled(schedule, chunks, args.steps)
         measured[schedule] = summary.bubble
+        if schedule == "zero_bubble":
+            costs[schedule] = cell_costs(timetable.of(run_schedule), np.asarray(summary.stage_work) * 1e3)
         print(f"{schedule:>18} {chunks:>6} {timetable.bubble_of(run_schedule):>9.3f} {measured[schedule]:>9.3f}")
         if args.plot and summary.stage_work is not None:
             plot(args.plot, run_schedule, summary)
+    if "zero_bubble" in costs:  # ZB-H1's bubble, (S − 1)(F + B − W) / (M(F + B + W) + (S − 1)(F + B − W))
+        f, b, w = costs["zero_bubble"]
+        idle = 3 * (f + b - w)
+        print(f"zero-bubble's cells: forward {f:.2f}, input gradient {b:.2f}, weight pass {w:.2f} ms; "
+              f"ZB-H1's bubble at these costs {idle / (8 * (f + b + w) + idle):.3f}")  # fmt: skip
     one_f_one_b = timetable.build("1f1b", 4, 8, 1).bubble()
     for kind, chunks, name in (("interleaved_1f1b", 2, "interleaved 1F1B"), ("zero_bubble", 1, "zero-bubble")):
         analytic = timetable.build(kind, 4, 8, chunks).bubble() / one_f_one_b
