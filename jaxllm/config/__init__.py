@@ -16,6 +16,7 @@ from jaxllm.config.sections import (
     CHUNKED_SCHEDULES,
     MESH_AXES,
     REMAT_POLICIES,
+    SPLIT_SCHEDULES,
     TABLE_SCHEDULES,
     CheckpointConfig,
     DataConfig,
@@ -34,6 +35,6 @@ from jaxllm.config.sections import (
 __all__ = [
     "CHUNKED_SCHEDULES", "MESH_AXES", "REMAT_POLICIES", "CheckpointConfig", "ConfigError", "DataConfig", "Fp8Config",
     "InitConfig", "LoraConfig", "ModelConfig", "ParallelConfig", "RopeScaling", "RunConfig", "Schedule", "Section",
-    "TABLE_SCHEDULES", "TrainConfig", "apply_overrides", "base_config", "field", "load_config",
+    "SPLIT_SCHEDULES", "TABLE_SCHEDULES", "TrainConfig", "apply_overrides", "base_config", "field", "load_config",
     "no_such_field", "require", "step_range", "validate", "validate_tensor",
 ]  # fmt: skip

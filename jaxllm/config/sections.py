@@ -22,6 +22,9 @@ AmaxReduce = Literal["global", "local"]
 PipelineSchedule = Literal["gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble"]
 # Schedules run by a timetable (`parallel/timetable.py`) rather than as a forward loop JAX transposes.
 TABLE_SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble")
+# Timetable schedules whose backward is split (`parallel/split_backward.py`): the weight gradients
+# put off, the forward keeping what the remat policy keeps rather than recomputed from the stage input.
+SPLIT_SCHEDULES = ("zero_bubble",)
 # The schedules whose stages each hold `repeats` chunks, and each one's schedule of one chunk a stage.
 CHUNKED_SCHEDULES = {"circular": "gpipe", "interleaved_1f1b": "1f1b"}
 RopeScalingType = Literal["none", "linear", "llama3"]
@@ -197,6 +200,11 @@ class Schedule(NamedTuple):
     @property
     def iterations(self) -> int:
         return self.repeats * self.microbatches + self.stages - 1
+
+    @property
+    def split(self) -> bool:
+        """Whether each backward is split, its weight gradients put off (`SPLIT_SCHEDULES`)."""
+        return self.kind in SPLIT_SCHEDULES
 
     @property
     def bubble(self) -> float:

@@ -204,7 +204,7 @@ class Decoder(nnx.Module):
         if copies is None:
             copies = gather_stage_weights(groups, specs, jnp.dtype(self.model.dtype))
 
-        stack_fn = partial(scan_groups, graph, self.model.remat, unrolled=self.schedule.kind == "zero_bubble")
+        stack_fn = partial(scan_groups, graph, self.model.remat, unrolled=self.schedule.split)
 
         def forward_loss(groups, head, x, copies, ctx, targets, mask):  # GPipe's loop, forward only
             out = pipeline_stack(groups, specs, x, ctx, self.schedule, stack_fn, copies)

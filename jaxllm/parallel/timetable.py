@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxllm.config import TABLE_SCHEDULES, Schedule
+from jaxllm.config import SPLIT_SCHEDULES, TABLE_SCHEDULES, Schedule
 
 IDLE = -1
 # The relative cost of a backward (input and weight gradients) and a forward, as the literature
@@ -117,7 +117,7 @@ def of(schedule: Schedule) -> Timetable:
 def bubble_of(schedule: Schedule) -> float:
     """The schedule's bubble: its table's under `zero_bubble` (lockstep ZB-H1 has no closed form),
     else the stated one (`Schedule.bubble`, which the 1F1B tables equal)."""
-    return of(schedule).bubble() if schedule.kind == "zero_bubble" else schedule.bubble
+    return of(schedule).bubble() if schedule.split else schedule.bubble
 
 
 def steps_of(schedule: Schedule | None) -> int | None:
@@ -133,7 +133,7 @@ def build(kind: str, stages: int, microbatches: int, chunks: int) -> Timetable:
     forward_order, backward_order = work_order(kind, s_, m, v)
     forwarded, backpropagated = {}, {}  # (virtual stage, microbatch) -> step
     next_f, next_b = [0] * s_, [0] * s_
-    split = kind == "zero_bubble"
+    split = kind in SPLIT_SCHEDULES
     put_off = [[] for _ in range(s_)]  # units whose weight gradients wait, oldest first
     rows, weights = [], []
     step = 0
@@ -181,8 +181,8 @@ def build(kind: str, stages: int, microbatches: int, chunks: int) -> Timetable:
 def _held_slots(stored: np.ndarray, read: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     """Slots for values a stage keeps from the step a unit is in `stored` until the step it is in
     `read` ([steps, stages] units or IDLE); a slot read in a step is free to store into in that
-    step (the loop reads before it stores). (store slots, read slots, slots), unused entries the
-    scratch slot."""
+    step (the loop writes what a step stores at the start of the next). (store slots, read slots,
+    slots), unused entries the scratch slot."""
     store, load = np.full(stored.shape, -1, np.int32), np.full(read.shape, -1, np.int32)
     used = 0
     for s in range(stored.shape[1]):
@@ -192,9 +192,11 @@ def _held_slots(stored: np.ndarray, read: np.ndarray) -> tuple[np.ndarray, np.nd
                 load[t, s] = slot_of.pop(int(read[t, s]))
                 free.append(load[t, s])
             if stored[t, s] != IDLE:
-                slot = min(free) if free else count
-                free.remove(slot) if free else None
-                count = max(count, slot + 1)
+                if free:
+                    slot = min(free)
+                    free.remove(slot)
+                else:
+                    slot, count = count, count + 1
                 store[t, s] = slot_of[int(stored[t, s])] = slot
         used = max(used, count)
     store[store < 0], load[load < 0] = used, used

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxllm.config import ModelConfig, RunConfig
+from jaxllm.config import SPLIT_SCHEDULES, ModelConfig, RunConfig
 from jaxllm.plan.params import applied_matmul_params, lora_count
 
 
@@ -48,5 +48,5 @@ def recomputed_flops_per_token(cfg: RunConfig) -> float:
         "dots": attention_core,
         "offload": attention_core,
     }[model.remat]
-    rebuilt = cfg.parallel.stage > 1 and cfg.parallel.schedule != "zero_bubble"
+    rebuilt = cfg.parallel.stage > 1 and cfg.parallel.schedule not in SPLIT_SCHEDULES
     return policy + (forward if rebuilt else 0.0)

@@ -56,7 +56,7 @@ def draw_schedule(ax, picture: dict) -> None:
     ax.imshow(np.ones_like(grid), cmap="Greys", vmin=0, vmax=4, aspect="auto")  # bubbles: grey
     if picture["table"]:  # forwards, backwards and weight passes each in their own palette
         parts = picture["parts"]
-        for i, cmap in zip(range(len(parts)), ("viridis", "plasma", "cividis"), strict=False):
+        for i, cmap in enumerate(("viridis", "plasma", "cividis")[: len(parts)]):
             shown = np.full(grid.shape, BUBBLE)
             shown[i :: len(parts)] = grid[i :: len(parts)]
             ax.imshow(np.ma.masked_equal(shown, BUBBLE), cmap=cmap, aspect="auto", interpolation="nearest")
