@@ -11,7 +11,8 @@ sequence (a structured output) waits for its last token to be read before it dec
 its grammar's mask for the next token depends on it: it decodes every other step, and its mask
 is computed while the device runs the step between. A speculating sequence (`serve.speculative`)
 feeds its next token and a draft after it, and streams as many tokens as the model accepts, and
-one more; it waits for a verify step's tokens, as where it goes next follows from them, but
+one more; it waits for a verify step's tokens, as where it goes next follows from them (when
+every sequence waits, the step reads them first and dispatches what follows at once), but
 proposes by prompt lookup after a plain step without waiting (see `speculation.propose`).
 `serve_forever()` steps in a thread of its
 own while other threads (or an event loop) submit and read.
@@ -43,7 +44,7 @@ from jaxllm.serve.constraints import mask_words
 from jaxllm.serve.generation import Generation, Limits, Logprob, Request, RequestFailed, Tokens, Unavailable
 from jaxllm.serve.guards import PerplexityAlarm
 from jaxllm.serve.pages import PagePool
-from jaxllm.serve.scheduler import Chunk, Scheduler, Sequence, State
+from jaxllm.serve.scheduler import Chunk, Plan, Scheduler, Sequence, State
 from jaxllm.serve.settings import ServeConfig
 from jaxllm.serve.speculation import back_off, propose
 
@@ -204,12 +205,16 @@ class Engine:
     def _step(self) -> int:
         self._take_incoming()
         self._drop_ended()
-        for sequence in self.scheduler.running:
-            propose(sequence, self.settings)
-        plan = self.scheduler.plan()
-        self._queued = len({s.generation for s in self.scheduler.waiting if s.issued == 0 and s.choice == 0})
+        plan = self._plan()
         dispatched = []
         try:
+            if not (plan.decode or plan.prefill) and self._dispatched:
+                # Every sequence waits for a step on the device (a verify step's tokens): read it
+                # now, and dispatch what follows from it in this step rather than the next.
+                previous, self._dispatched = self._dispatched, []
+                for step in previous:
+                    self._read(step)
+                plan = self._plan()
             if plan.decode and (step := self._dispatch_decode(plan.decode)):
                 dispatched.append(step)
             if plan.prefill and (step := self._dispatch_prefill(plan.prefill)):
@@ -222,6 +227,13 @@ class Engine:
             return 0
         self._failed_in_a_row = 0
         return len(plan.decode)
+
+    def _plan(self) -> Plan:
+        for sequence in self.scheduler.running:
+            propose(sequence, self.settings)
+        plan = self.scheduler.plan()
+        self._queued = len({s.generation for s in self.scheduler.waiting if s.issued == 0 and s.choice == 0})
+        return plan
 
     def _take_incoming(self) -> None:
         with self._lock:

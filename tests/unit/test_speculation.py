@@ -117,16 +117,17 @@ def test_speculation_ends_at_stop_strings_as_plain_decoding_does(trained, engine
 
 
 def test_prompt_lookup_waits_only_for_the_tokens_of_verify_steps(trained, engines):
-    """After a plain step a sequence proposes without waiting for that step's token, so the only
-    engine steps that dispatch no decode are a request's prefills, its last read, and one after
-    each verify step (its tokens say where the sequence goes on from)."""
+    """After a plain step a sequence proposes without waiting for that step's token, and a verify
+    step's tokens (which say where the sequence goes on from) are read in the engine step that
+    dispatches what follows them, so the only engine steps that dispatch no decode are a
+    request's prefills and its last read."""
     engine = engines(**NGRAM)
     for prompt in _prompts(trained[2]):  # repeating text, and random tokens between lookups that miss
         verified, idle, prefills = engine.drafts, 0, -(-len(prompt) // SERVE["serve.prefill_chunk"])
         engine.submit(Request(prompt, 48, temperature=0.0, ignore_eos=True))
         while engine.busy():
             idle += engine.step() == 0
-        assert 0 < engine.drafts - verified and idle <= engine.drafts - verified + prefills + 1
+        assert 0 < engine.drafts - verified and idle <= prefills + 1
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "small draft"])
