@@ -34,6 +34,7 @@ class DecodeBatch(NamedTuple):
     logprobs: Any  # a bool: report log-probs (their top-k over the vocab costs as much as sampling)
     allowed: np.ndarray  # [B, words] int32 bitmask of the tokens a row may draw
     drafts: np.ndarray  # [B, K] tokens proposed to follow the fed one, verified in this step (-1: none); K may be 0
+    rejected: np.ndarray  # [B] the row's rejected drafts the host has read since its prefill (see `steps.decode`)
 
 
 class PrefillBatch(NamedTuple):
@@ -89,13 +90,14 @@ def decode_batch(
     scratch slot."""
     slot, index, table, allowed = _padded(rows, slots, width, words)
     positions, proposed = np.full(rows, -1, np.int32), np.full((rows, drafts), -1, np.int32)
+    rejected = np.zeros(rows, np.int32)
     for r, s in enumerate(sequences):
-        slot[r], positions[r], index[r] = s.slot, s.position, s.issued
+        slot[r], positions[r], index[r], rejected[r] = s.slot, s.position, s.issued, s.rejected
         table[r, : len(s.pages)], proposed[r, : len(s.draft)] = s.pages, s.draft
         if s in masks:
             allowed[r] = masks[s]
     logprobs = any(s.generation.request.logprobs is not None for s in sequences)
-    return DecodeBatch(slot, positions, index, table, np.bool_(logprobs), allowed, proposed)
+    return DecodeBatch(slot, positions, index, table, np.bool_(logprobs), allowed, proposed, rejected)
 
 
 def prefill_batch(rows: list[PrefillRow], count: int, size: int, width: int, slots: int, words: int) -> PrefillBatch:

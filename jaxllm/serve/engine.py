@@ -11,9 +11,10 @@ sequence (a structured output) waits for its last token to be read before it dec
 its grammar's mask for the next token depends on it: it decodes every other step, and its mask
 is computed while the device runs the step between. A speculating sequence (`serve.speculative`)
 feeds its next token and a draft after it, and streams as many tokens as the model accepts, and
-one more; it waits for a verify step's tokens, as where it goes next follows from them (when
-every sequence waits, the step reads them first and dispatches what follows at once), but
-proposes by prompt lookup after a plain step without waiting (see `speculation.propose`).
+one more. By prompt lookup it waits for a verify step's tokens, as its next proposal follows from
+them (when every sequence waits, the step reads them first and dispatches what follows at once),
+but proposes after a plain step without waiting; with a draft model it never waits, as the
+device knows where a verify step left the sequence (see `speculation.propose`).
 `serve_forever()` steps in a thread of its
 own while other threads (or an event loop) submit and read.
 
@@ -74,7 +75,7 @@ class Dispatched:
     decode) the bytes each device reads in it."""
 
     pending: Any
-    draws: list[tuple[int, Sequence, int]]  # (row, sequence, index of the output token drawn)
+    draws: list[tuple[int, Sequence, int]]  # (row, sequence, its `dispatched` count then)
     scored: list[tuple[int, Chunk]] = dataclasses.field(default_factory=list)
     decode_bytes: float = 0.0
     drafted: list[int] = dataclasses.field(default_factory=list)  # each row's draft tokens
@@ -263,7 +264,7 @@ class Engine:
         rows = Buckets.fit(len(sequences), self.buckets.rows)
         drafts = self.settings.draft_tokens if any(s.draft for s in sequences) else 0
         pending = self.device.decode(decode_batch(sequences, masks, rows, width, self.slots, self.words, drafts))
-        draws = [(row, s, s.issued) for row, s in enumerate(sequences)]
+        draws = [(row, s, s.dispatched) for row, s in enumerate(sequences)]
         decode_bytes = self.device.decode_bytes([s.position + 1 for s in sequences])
         for s in sequences:
             s.issued += 1 + len(s.draft)
@@ -292,7 +293,7 @@ class Engine:
         count = Buckets.fit(len(chunks), self.buckets.prefill_rows(size))
         batch = prefill_batch([rows[c] for c in chunks], count, size, width, self.slots, self.words)
         pending = self.device.prefill(batch)
-        draws = [(row, c.sequence, c.sequence.issued) for row, c in enumerate(chunks) if c.final]
+        draws = [(row, c.sequence, c.sequence.dispatched) for row, c in enumerate(chunks) if c.final]
         scored = [(row, c) for row, c in enumerate(chunks) if c.sequence.scores_prompt and not c.sequence.output]
         for chunk in chunks:
             self.scheduler.advance(chunk)
@@ -305,9 +306,9 @@ class Engine:
             self._measure_bandwidth(step.decode_bytes)
         if step.scored:
             self._score_prompts(step.scored, prompt)
-        for row, sequence, index in step.draws:
+        for row, sequence, dispatched in step.draws:
             generation = sequence.generation
-            if sequence.state is State.DONE or index != len(sequence.output):
+            if sequence.state is State.DONE or dispatched != len(sequence.output) + sequence.rejected:
                 continue  # it ended after the step was dispatched
             with self._serving(generation):
                 if tokens.ids.ndim == 1:
@@ -332,7 +333,8 @@ class Engine:
         for j, token in enumerate(ids):
             if generation._push(sequence.choice, token, self._logprob(generation, tokens, j)):
                 return True
-        sequence.issued -= drafted - (len(ids) - 1)  # the rejected ones (a row may have later steps on their way)
+        rejected = drafted - (len(ids) - 1)  # (a row may have later steps on their way, which the device corrects)
+        sequence.issued, sequence.rejected = sequence.issued - rejected, sequence.rejected + rejected
         self.scheduler.trim(sequence)
         if drafted and len(ids) == 1:
             back_off(sequence)

@@ -42,7 +42,8 @@ class Sequence:
     pages: list[int] = dataclasses.field(default_factory=list)
     target: list[int] = dataclasses.field(default_factory=list)  # what the prefill reads
     computed: int = 0  # target tokens whose keys and values are in the pages (or on their way)
-    issued: int = 0  # output tokens dispatched, read back or not
+    issued: int = 0  # output tokens dispatched, read back or not (a verify step's drafts counted until read)
+    rejected: int = 0  # drafts its verify steps rejected, read back since its prefill
     scores_prompt: bool = False  # its first prefill computes each prompt token's log-prob, so reads every one
     scored: Any = None  # those log-probs (`Tokens`), as its chunks come back
     speculates: bool = False  # drafts tokens for its next steps (see `speculation`)
@@ -59,6 +60,13 @@ class Sequence:
     def position(self) -> int:
         """Where the token this sequence feeds next goes."""
         return len(self.prompt) + self.issued - 1
+
+    @property
+    def dispatched(self) -> int:
+        """Output tokens and drafts dispatched since its prefill (and its output before): reads
+        move drafts from `issued` to `rejected` and leave this as it is, so a step's rows record it
+        to tell whether the tokens they draw follow the sequence's output when they are read."""
+        return self.issued + self.rejected
 
     @property
     def output(self) -> list[int]:
@@ -190,7 +198,7 @@ class Scheduler:
             generation.scheduled_at = generation.scheduled_at or time.perf_counter()
             sequence.state, sequence.slot, sequence.pages = State.PREFILL, self._free_slots.pop(), shared + fresh
             sequence.target, sequence.computed = target, len(shared) * self.pool.page_size
-            sequence.issued = len(sequence.output)
+            sequence.issued, sequence.rejected = len(sequence.output), 0
             self.running.append(sequence)
 
     def _chunks(self) -> list[Chunk]:

@@ -53,13 +53,13 @@ def propose(sequence: Sequence, settings: ServeConfig) -> None:
     again. Prompt lookup does not wait for the token of a plain step
     still on the device: it proposes that token too, as it would any, and drafts the tokens after
     it. Verification keeps only the tokens the model would draw, whatever was proposed, so a draft
-    after a wrong guess costs only speed. After a verify step (more than one token unread) and
-    with a draft model, which drafts from the last token on the device, the sequence waits."""
+    after a wrong guess costs only speed. After a verify step (more than one token unread) prompt
+    lookup waits. A draft model, which drafts from the last token on the device, never waits: the
+    device moves the step back by the drafts the step before it rejected (`steps.decode`)."""
     s = settings
     sequence.draft = []
     unread = sequence.issued - len(sequence.output)
-    may_guess = 1 if s.speculative == "ngram" else 0  # unread tokens a proposal may run ahead of
-    if not (sequence.speculates and sequence.state is State.DECODE and unread <= may_guess):
+    if not (sequence.speculates and sequence.state is State.DECODE) or (s.speculative == "ngram" and unread > 1):
         return
     room = min(s.draft_tokens, sequence.generation.request.max_tokens - sequence.issued - 1)
     if room <= 0 or sequence.issued < sequence.resume_at:

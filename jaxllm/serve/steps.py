@@ -48,18 +48,21 @@ def _without_logprobs(ids: jax.Array) -> Tokens:
 
 
 class Slots(NamedTuple):
-    """Per slot (and one scratch slot, the last, for padding rows): the token it feeds next and
-    its request's sampling settings."""
+    """Per slot (and one scratch slot, the last, for padding rows): the token it feeds next, its
+    request's sampling settings, and the draft tokens its verify steps rejected since its prefill
+    (the host counts them only once it reads them; see `decode`)."""
 
     last: jax.Array
     sampling: Sampling
+    rejected: jax.Array
 
     @classmethod
     def empty(cls, slots: int) -> Slots:
         def zeros(dtype=jnp.int32):  # separate buffers, so the state can be donated
             return jnp.zeros(slots + 1, dtype)
 
-        return cls(zeros(), Sampling(zeros(jnp.float32), zeros(), jnp.ones(slots + 1), zeros(jnp.uint32), zeros()))
+        sampling = Sampling(zeros(jnp.float32), zeros(), jnp.ones(slots + 1), zeros(jnp.uint32), zeros())
+        return cls(zeros(), sampling, zeros())
 
 
 Pools = tuple  # a KVCache's (keys, values)
@@ -87,9 +90,16 @@ def decode(
     the tokens are [B]; with them [B, K + 1], each row's output in order and -1 past its end. Keys
     and values of rejected drafts stay in the pages past the row's position, where nothing reads
     them before a later token overwrites them. With a `draft` model, each row's drafts (of
-    `batch.drafts`, only how many it wants) are that model's."""
-    rows, positions, drafts = batch.slots, batch.positions, batch.drafts
+    `batch.drafts`, only how many it wants) are that model's.
+
+    A row's position and output index are the host's less the drafts rejected in steps it has
+    not read yet (`batch.rejected` counts those it has): so a step may follow a verify step
+    before the host knows how many tokens that one accepted."""
+    rows, drafts = batch.slots, batch.drafts
     k = drafts.shape[1]
+    unread = slots.rejected[rows] - batch.rejected
+    positions = jnp.where(batch.positions >= 0, batch.positions - unread, -1)
+    batch = batch._replace(positions=positions, index=batch.index - unread)
     if draft is not None:
         drafts, draft_pools = _drafted(draft, draft_params, draft_pools, slots.last[rows], batch, vocab_size)
     fed = jnp.concatenate([slots.last[rows][:, None], jnp.maximum(drafts, 0)], axis=1)  # [B, K + 1]
@@ -102,10 +112,11 @@ def decode(
         ids, accepted = verify(logits, drafts, sampling, batch.index, vocab_size, batch.allowed)
         last = jnp.take_along_axis(ids, accepted[:, None], axis=1)[:, 0]
         ids = jnp.where(j <= accepted[:, None], ids, -1)
+        rejected = slots.rejected.at[rows].add(jnp.sum(drafts >= 0, axis=1) - accepted)
     else:
         logits, ids = logits[:, 0], sample(logits[:, 0], sampling, batch.index, vocab_size, batch.allowed)
-        last = ids
-    slots = slots._replace(last=slots.last.at[rows].set(last))
+        last, rejected = ids, slots.rejected
+    slots = slots._replace(last=slots.last.at[rows].set(last), rejected=rejected)
     tokens = partial(_tokens, vocab_size=vocab_size)
     with_logprobs = partial(_over_positions, tokens) if k else tokens
     out = jax.lax.cond(batch.logprobs, with_logprobs, lambda _, ids: _without_logprobs(ids), logits, ids)
@@ -178,5 +189,6 @@ def prefill(
     slots = Slots(
         slots.last.at[rows].set(jnp.where(batch.final, first, slots.last[rows])),
         jax.tree.map(lambda all_slots, row: all_slots.at[rows].set(row), slots.sampling, sampling),
+        slots.rejected.at[rows].set(0),
     )
     return (cache.keys, cache.values), slots, _tokens(last, first, vocab_size), prompt, draft_pools

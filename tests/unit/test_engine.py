@@ -273,7 +273,8 @@ def _decode_cost(model, pages: int, width: int, rows: int = 8):
     i32 = partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     words = -(-model.vocab_size // 32)
     batch = DecodeBatch(i32((rows,)), i32((rows,)), i32((rows,)), i32((rows, width)),
-                        jax.ShapeDtypeStruct((), jnp.bool_), i32((rows, words)), i32((rows, 0)))  # fmt: skip
+                        jax.ShapeDtypeStruct((), jnp.bool_), i32((rows, words)), i32((rows, 0)),
+                        i32((rows,)))  # fmt: skip
     with jax.set_mesh(make_mesh(small_config().parallel, jax.devices()[:1])):
         compiled = step.lower(params, (cache.keys, cache.values), Slots.empty(rows), batch).compile()
     return compiled.cost_analysis()["flops"], compiled.memory_analysis().temp_size_in_bytes

@@ -130,6 +130,42 @@ def test_prompt_lookup_waits_only_for_the_tokens_of_verify_steps(trained, engine
         assert 0 < engine.drafts - verified and idle <= prefills + 1
 
 
+class _Calls:
+    """The engine's runner, noting how many verify steps were unread at each decode dispatch."""
+
+    def __init__(self, runner):
+        self.runner, self.unread_verifies, self.verifies = runner, set(), []
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def decode(self, batch):
+        pending = self.runner.decode(batch)
+        self.verifies.append(len(self.unread_verifies))
+        if batch.drafts.shape[1]:
+            self.unread_verifies.add(id(pending))
+        return pending
+
+    def read(self, pending):
+        self.unread_verifies.discard(id(pending))
+        return self.runner.read(pending)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "itself"])
+def test_a_draft_model_steps_on_before_a_verify_step_is_read_and_prompt_lookup_waits(trained, engines, proposer):
+    """With a draft model the next step is dispatched while the verify step before it runs (the
+    device moves it back by the drafts that one rejects); prompt lookup, which proposes from the
+    tokens, waits for them. The output is greedy decoding's either way (tested above)."""
+    engine = engines(**(NGRAM if proposer == "ngram" else _draft(trained[0])))
+    engine.device = calls = _Calls(engine.device)
+    try:
+        engine.generate([Request(_prompts(trained[2])[0], 48, temperature=0.0, ignore_eos=True)])
+    finally:
+        engine.device = calls.runner
+    behind_a_verify = sum(unread > 0 for unread in calls.verifies)
+    assert behind_a_verify == 0 if proposer == "ngram" else behind_a_verify >= len(calls.verifies) - 2
+
+
 @pytest.mark.parametrize("proposer", ["ngram", "small draft"])
 def test_preempted_speculating_sequences_resume_with_their_output(trained, engines, small_draft, proposer):
     """A pool too small for four growing requests: sequences are preempted mid-speculation and
