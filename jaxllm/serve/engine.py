@@ -13,8 +13,9 @@ is computed while the device runs the step between. A speculating sequence (`ser
 feeds its next token and a draft after it, and streams as many tokens as the model accepts, and
 one more. By prompt lookup it waits for a verify step's tokens, as its next proposal follows from
 them (when every sequence waits, the step reads them first and dispatches what follows at once),
-but proposes after a plain step without waiting; with a draft model it never waits, as the
-device knows where a verify step left the sequence (see `speculation.propose`).
+unless the last verify step it read kept all its drafts, and proposes after a plain step without
+waiting; with a draft model it never waits, as the device knows where a verify step left the
+sequence (see `speculation.propose`).
 `serve_forever()` steps in a thread of its
 own while other threads (or an event loop) submit and read.
 
@@ -340,6 +341,7 @@ class Engine:
             back_off(sequence)
         elif drafted:
             sequence.misses = 0
+        sequence.kept_all = bool(drafted) and len(ids) - 1 == drafted
         return False
 
     def _measure_bandwidth(self, decode_bytes: float) -> None:

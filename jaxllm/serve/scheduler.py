@@ -50,6 +50,7 @@ class Sequence:
     draft: list[int] = dataclasses.field(default_factory=list)  # proposed to follow its next token
     resume_at: int = 0  # a speculating sequence proposes nothing before this output index ...
     misses: int = 0  # ... after this many proposals in a row had nothing accepted
+    kept_all: bool = False  # the last verify step read back kept every draft
     lookups: Any = None  # prompt lookup's index of its tokens (`speculation.NgramIndex`)
 
     @property

@@ -54,12 +54,15 @@ def propose(sequence: Sequence, settings: ServeConfig) -> None:
     still on the device: it proposes that token too, as it would any, and drafts the tokens after
     it. Verification keeps only the tokens the model would draw, whatever was proposed, so a draft
     after a wrong guess costs only speed. After a verify step (more than one token unread) prompt
-    lookup waits. A draft model, which drafts from the last token on the device, never waits: the
-    device moves the step back by the drafts the step before it rejected (`steps.decode`)."""
+    lookup waits, unless the last verify step read kept all its drafts: then it guesses that the
+    one on the device keeps all of its too. A draft model, which drafts from the last token on the
+    device, never waits. Either way the device moves a step back by the drafts that the steps
+    before it rejected (`steps.decode`)."""
     s = settings
     sequence.draft = []
     unread = sequence.issued - len(sequence.output)
-    if not (sequence.speculates and sequence.state is State.DECODE) or (s.speculative == "ngram" and unread > 1):
+    waits = s.speculative == "ngram" and unread > 1 and not sequence.kept_all
+    if not (sequence.speculates and sequence.state is State.DECODE) or waits:
         return
     room = min(s.draft_tokens, sequence.generation.request.max_tokens - sequence.issued - 1)
     if room <= 0 or sequence.issued < sequence.resume_at:

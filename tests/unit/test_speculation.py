@@ -131,18 +131,22 @@ def test_prompt_lookup_waits_only_for_the_tokens_of_verify_steps(trained, engine
 
 
 class _Calls:
-    """The engine's runner, noting how many verify steps were unread at each decode dispatch."""
+    """The engine's runner, noting at each decode dispatch how many verify steps were unread,
+    whether it verifies drafts, and whether every decoding sequence's last verify step read kept
+    all its drafts."""
 
-    def __init__(self, runner):
-        self.runner, self.unread_verifies, self.verifies = runner, set(), []
+    def __init__(self, engine):
+        self.engine, self.runner, self.unread_verifies, self.dispatches = engine, engine.device, set(), []
 
     def __getattr__(self, name):
         return getattr(self.runner, name)
 
     def decode(self, batch):
         pending = self.runner.decode(batch)
-        self.verifies.append(len(self.unread_verifies))
-        if batch.drafts.shape[1]:
+        decoding = [s for s in self.engine.scheduler.running if s.state is State.DECODE]
+        verifies = bool(batch.drafts.shape[1])
+        self.dispatches.append((len(self.unread_verifies), verifies, all(s.kept_all for s in decoding)))
+        if verifies:
             self.unread_verifies.add(id(pending))
         return pending
 
@@ -152,18 +156,24 @@ class _Calls:
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "itself"])
-def test_a_draft_model_steps_on_before_a_verify_step_is_read_and_prompt_lookup_waits(trained, engines, proposer):
+def test_a_sequence_steps_on_before_a_verify_step_is_read_by_a_draft_model_or_after_all_were_kept(
+    trained, engines, proposer
+):
     """With a draft model the next step is dispatched while the verify step before it runs (the
     device moves it back by the drafts that one rejects); prompt lookup, which proposes from the
-    tokens, waits for them. The output is greedy decoding's either way (tested above)."""
+    tokens, proposes on so only after a verify step that kept all its drafts, and otherwise waits
+    (or, backed off, decodes plain steps). The output is greedy decoding's either way (tested above)."""
     engine = engines(**(NGRAM if proposer == "ngram" else _draft(trained[0])))
-    engine.device = calls = _Calls(engine.device)
+    engine.device = calls = _Calls(engine)
     try:
-        engine.generate([Request(_prompts(trained[2])[0], 48, temperature=0.0, ignore_eos=True)])
+        engine.generate([Request(_prompts(trained[2])[1], 48, temperature=0.0, ignore_eos=True)])
     finally:
         engine.device = calls.runner
-    behind_a_verify = sum(unread > 0 for unread in calls.verifies)
-    assert behind_a_verify == 0 if proposer == "ngram" else behind_a_verify >= len(calls.verifies) - 2
+    verifying_behind_a_verify = [kept_all for unread, verifies, kept_all in calls.dispatches if unread and verifies]
+    if proposer == "ngram":
+        assert verifying_behind_a_verify and all(verifying_behind_a_verify)
+    else:
+        assert len(verifying_behind_a_verify) >= len(calls.dispatches) - 2
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "small draft"])
