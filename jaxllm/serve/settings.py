@@ -14,6 +14,7 @@ from jaxllm.config import ModelConfig, ParallelConfig, RunConfig, Section, field
 ServeDtype = Literal["float32", "bfloat16", "float16"]
 KvDtype = Literal["float32", "bfloat16", "float16", "int8"]
 DEFAULT_MAX_LEN = 8192  # a slot's length unless set: a 128k-context model would give each slot gigabytes
+NGRAM_LONGEST = 16  # prompt lookup indexes every run up to this long at each token: longer costs host memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +46,8 @@ class ServeConfig(Section):
     )  # fmt: skip
     draft_model: str | None = field(None, "the draft model of serve.speculative=draft: a run, an export or a Hugging "
                                           "Face Llama directory with the served model's tokenizer")  # fmt: skip
-    draft_tokens: int = field(8, "tokens proposed a step with serve.speculative")
-    ngram_max: int = field(4, "the longest run of last tokens 'ngram' looks up")
+    draft_tokens: int = field(8, "tokens proposed a step with serve.speculative (fewer than serve.max_len)")
+    ngram_max: int = field(4, f"the longest run of last tokens 'ngram' looks up (at most {NGRAM_LONGEST})")
     ngram_min: int = field(2, "and the shortest: shorter runs recur by chance and propose tokens that are rejected")
     tensor: int = field(-1, "devices for tensor parallelism (-1: as many local ones as split the heads evenly)")
     compile_cache: str | None = field(None, "JAX's persistent compilation cache, so a restart loads its steps instead "
@@ -94,8 +95,9 @@ class ServeConfig(Section):
             "what serve.speculative=draft proposes with; set both, or neither",
         )
         require(
-            1 <= self.ngram_min <= self.ngram_max,
-            f"serve.ngram_min={self.ngram_min} and serve.ngram_max={self.ngram_max} must satisfy 1 <= min <= max",
+            1 <= self.ngram_min <= self.ngram_max <= NGRAM_LONGEST,
+            f"serve.ngram_min={self.ngram_min} and serve.ngram_max={self.ngram_max} must satisfy 1 <= min <= max "
+            f"<= {NGRAM_LONGEST} (each token indexes every run of its last min to max tokens, in host memory)",
         )
         restarts = self.max_engine_restarts
         require(restarts >= 0, f"serve.max_engine_restarts={restarts} must be at least 0")
@@ -143,6 +145,11 @@ def serving_config(
         2 <= s.max_len <= m.max_seq_len,
         f"serve.max_len={s.max_len} must be between 2 and model.max_seq_len={m.max_seq_len} (the longest "
         "context the model was built for); lower serve.max_len or raise model.max_seq_len",
+    )
+    require(
+        s.speculative == "off" or s.draft_tokens < s.max_len,
+        f"serve.draft_tokens={s.draft_tokens} with serve.max_len={s.max_len}: a verify step feeds a token and its "
+        "drafts, which must fit in a slot; propose fewer (4 to 8 is typical)",
     )
     require(
         1 <= s.tensor <= local_devices,

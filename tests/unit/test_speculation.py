@@ -264,6 +264,8 @@ def test_an_index_kept_as_tokens_arrive_proposes_what_a_search_of_the_whole_cont
 def test_bad_speculation_settings_are_refused(trained, tmp_path):
     with pytest.raises(ConfigError, match="ngram_min"):
         ServeConfig(ngram_min=3, ngram_max=2)
+    with pytest.raises(ConfigError, match="ngram_max=17 must satisfy"):
+        ServeConfig(ngram_max=17)
     with pytest.raises(ConfigError, match="draft_tokens"):
         ServeConfig(draft_tokens=0)
     unpaired = ({"speculative": "draft"}, {"speculative": "draft", "draft_model": ""}, {"draft_model": "runs/small"},
@@ -281,3 +283,8 @@ def test_bad_speculation_settings_are_refused(trained, tmp_path):
         serving_setup(trained[0], {**SERVE, **_draft(other)})
     with pytest.raises(CheckpointError, match="missing does not exist: no such run or export"):
         serving_setup(trained[0], {**SERVE, **_draft(tmp_path / "missing")})
+    # A verify step feeds a token and its drafts into one slot: more than it holds could never be verified.
+    with pytest.raises(ConfigError, match="serve.draft_tokens=160 with serve.max_len=160"):
+        serving_setup(trained[0], {**SERVE, **NGRAM, "serve.draft_tokens": 160})
+    assert serving_setup(trained[0], {**SERVE, **NGRAM, "serve.draft_tokens": 159})
+    assert serving_setup(trained[0], {**SERVE, "serve.draft_tokens": 160})  # not speculating, it is not read
