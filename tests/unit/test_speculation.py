@@ -286,5 +286,7 @@ def test_bad_speculation_settings_are_refused(trained, tmp_path):
     # A verify step feeds a token and its drafts into one slot: more than it holds could never be verified.
     with pytest.raises(ConfigError, match="serve.draft_tokens=160 with serve.max_len=160"):
         serving_setup(trained[0], {**SERVE, **NGRAM, "serve.draft_tokens": 160})
-    assert serving_setup(trained[0], {**SERVE, **NGRAM, "serve.draft_tokens": 159})
-    assert serving_setup(trained[0], {**SERVE, "serve.draft_tokens": 160})  # not speculating, it is not read
+    widest = serving_setup(trained[0], {**SERVE, **NGRAM, "serve.draft_tokens": 159})[0].settings
+    assert (widest.speculative, widest.draft_tokens, widest.max_len) == ("ngram", 159, 160)
+    plain = serving_setup(trained[0], {**SERVE, "serve.draft_tokens": 160})[0].settings  # not speculating: not read
+    assert (plain.speculative, plain.draft_tokens) == ("off", 160)
