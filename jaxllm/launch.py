@@ -21,11 +21,13 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import selectors
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from jaxllm import cli, heartbeat, logs
@@ -43,17 +45,75 @@ def _free_port() -> int:
 
 
 def start_local(command: list[str], nproc: int, beats: pathlib.Path) -> list[subprocess.Popen]:
-    """`nproc` processes on this machine, joined through a coordinator on a free local port."""
+    """`nproc` processes on this machine, joined through a coordinator on a free local port; their
+    output reaches the launcher's through a `Relay`."""
     port = _free_port()
     return [
         subprocess.Popen(
             command,
             env={**os.environ, heartbeat.ENV: str(beats), "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
                  "JAX_NUM_PROCESSES": str(nproc), "JAX_PROCESS_ID": str(i)},  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             start_new_session=True,
         )
         for i in range(nproc)
     ]
+
+
+class Relay:
+    """Copies local workers' output to the launcher's a whole line at a time (up to a newline, or a
+    carriage return: a progress bar's redraw). On a shared pipe, workers writing at once split each
+    other's lines: Gloo writes its messages in pieces, and a pipe keeps a write whole only up to
+    4 KiB. A partial line goes on once its worker has been quiet for `QUIET` seconds (a progress
+    bar between redraws); another worker's output then starts on a line of its own. The copy ends
+    when every worker has closed its output."""
+
+    QUIET = 0.1
+
+    def __init__(self, procs: list[subprocess.Popen]) -> None:
+        pipes = {p.stdout: sys.stdout.buffer for p in procs} | {p.stderr: sys.stderr.buffer for p in procs}
+        self._to = {pipe.fileno(): out for pipe, out in pipes.items()}
+        self._pending = dict.fromkeys(self._to, b"")
+        self._heard = dict.fromkeys(self._to, 0.0)
+        self._open: dict = {}  # a destination -> the pipe whose partial line it got last, if any
+        self._thread = threading.Thread(target=self._copy, args=(list(pipes),), daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join(timeout=10)  # a worker's child that left the group could hold a pipe open
+
+    def _copy(self, pipes: list) -> None:
+        with selectors.DefaultSelector() as selector:
+            for pipe in pipes:
+                selector.register(pipe, selectors.EVENT_READ)
+            while selector.get_map():
+                for key, _ in selector.select(timeout=self.QUIET):
+                    chunk = os.read(key.fd, 1 << 16)
+                    if not chunk:
+                        selector.unregister(key.fileobj)
+                        key.fileobj.close()
+                    self._pending[key.fd] += chunk
+                    self._heard[key.fd] = time.monotonic()
+                    self._send(key.fd, whole_lines_only=bool(chunk))
+                for fd, data in self._pending.items():
+                    if data and time.monotonic() - self._heard[fd] >= self.QUIET:
+                        self._send(fd, whole_lines_only=False)
+
+    def _send(self, fd: int, whole_lines_only: bool) -> None:
+        data = self._pending[fd]
+        end = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1 if whole_lines_only else len(data)
+        if not end:
+            return
+        sent, self._pending[fd], out = data[:end], data[end:], self._to[fd]
+        if self._open.get(out) not in (None, fd):
+            sent = b"\n" + sent  # another worker's partial line ends there
+        self._open[out] = None if sent.endswith(b"\n") else fd
+        try:
+            out.write(sent)
+            out.flush()
+        except OSError:  # the launcher's own output is gone: the workers go on unheard
+            pass
 
 
 def start_slurm(command: list[str], beats: pathlib.Path) -> list[subprocess.Popen]:
@@ -178,7 +238,10 @@ def supervise(command: list[str], nproc: int, beats: pathlib.Path, args: argpars
         for old in beats.iterdir():  # an earlier attempt's beats and outcomes say nothing of this one
             old.unlink()
         procs = start_slurm(command, beats) if args.slurm else start_local(command, nproc, beats)
+        relay = None if args.slurm else Relay(procs)
         result = run_group(procs, nproc, beats, args.heartbeat_timeout, args.startup_timeout, args.slurm)
+        if relay:
+            relay.join()  # the workers' last words come before the launcher's
         if result == FINISHED:
             log.info(f"launch: all {nproc} processes finished")
             return 0

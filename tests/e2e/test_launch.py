@@ -144,3 +144,39 @@ def test_the_launcher_imports_no_jax():
     probe = "import sys, jaxllm.launch; print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+_WORKER = """
+import os, pathlib, sys, time
+me, meeting = os.environ["JAX_PROCESS_ID"], pathlib.Path(sys.argv[1])
+(meeting / me).touch()
+while len(list(meeting.iterdir())) < 2:
+    time.sleep(0.01)
+for i in range(300):  # both at once, a line in three writes as Gloo writes its own
+    for piece in (f"[worker {me}] line ", f"{i}", " ends here\\n"):
+        os.write(1, piece.encode())
+time.sleep(1)
+if me == "0":
+    os.write(1, b"\\rtrain: 50%")  # a progress bar until its next redraw
+    time.sleep(2)
+    os.write(1, b"\\rtrain: 100%\\n")
+else:
+    time.sleep(1)
+    os.write(1, b"[worker 1] during the bar\\n")
+"""
+
+
+def test_workers_lines_reach_the_launchers_output_whole(tmp_path):
+    """Workers share the launcher's stdout, and what each writes in pieces (Gloo's messages) reaches
+    it a whole line at a time; a partial line (a progress bar between redraws) is not held back, and
+    another worker's line then starts on a line of its own."""
+    command = [sys.executable, "-c", _WORKER, str(tmp_path)]
+    done = subprocess.run([sys.executable, "-m", "jaxllm.launch", "--nproc", "2", "--", *command], cwd=ROOT,
+                          capture_output=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.decode().split("\n")  # as written: a carriage return is no line end
+    for me in "01":
+        assert [line for line in lines if line.startswith(f"[worker {me}] line")] == [
+            f"[worker {me}] line {i} ends here" for i in range(300)
+        ]
+    assert lines[600:603] == ["\rtrain: 50%", "[worker 1] during the bar", "\rtrain: 100%"]
