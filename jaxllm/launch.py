@@ -66,10 +66,12 @@ class Relay:
     carriage return: a progress bar's redraw). On a shared pipe, workers writing at once split each
     other's lines: Gloo writes its messages in pieces, and a pipe keeps a write whole only up to
     4 KiB. A partial line goes on once its worker has been quiet for `QUIET` seconds (a progress
-    bar between redraws); another worker's output then starts on a line of its own. The copy ends
-    when every worker has closed its output."""
+    bar between redraws), or once it is longer than `LONGEST` bytes, so that what the relay holds
+    stays small; another worker's output then starts on a line of its own.
+    The copy ends when every worker has closed its output."""
 
     QUIET = 0.1
+    LONGEST = 1 << 20
 
     def __init__(self, procs: list[subprocess.Popen]) -> None:
         pipes = {p.stdout: sys.stdout.buffer for p in procs} | {p.stderr: sys.stderr.buffer for p in procs}
@@ -102,7 +104,8 @@ class Relay:
 
     def _send(self, fd: int, whole_lines_only: bool) -> None:
         data = self._pending[fd]
-        end = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1 if whole_lines_only else len(data)
+        whole = whole_lines_only and len(data) < self.LONGEST
+        end = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1 if whole else len(data)
         if not end:
             return
         sent, self._pending[fd], out = data[:end], data[end:], self._to[fd]

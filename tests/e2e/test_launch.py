@@ -180,3 +180,32 @@ def test_workers_lines_reach_the_launchers_output_whole(tmp_path):
             f"[worker {me}] line {i} ends here" for i in range(300)
         ]
     assert lines[600:603] == ["\rtrain: 50%", "[worker 1] during the bar", "\rtrain: 100%"]
+
+
+_ENDLESS_LINE = """
+import os, pathlib, sys, time
+for _ in range(192):  # 3 MiB, never quiet for long
+    os.write(1, b"x" * (1 << 14))
+    time.sleep(0.005)
+for _ in range(60):
+    os.write(1, b"x")
+    time.sleep(0.05)
+pathlib.Path(sys.argv[1]).touch()
+os.write(1, b"\\n")
+"""
+
+
+def test_a_line_without_end_goes_on_in_pieces(tmp_path):
+    """A worker that writes a line without end, never pausing: the relay sends it on once it passes
+    a MiB rather than holding it all."""
+    ended = tmp_path / "ended"
+    launcher = subprocess.Popen([sys.executable, "-m", "jaxllm.launch", "--nproc", "1", "--", sys.executable, "-c",
+                                 _ENDLESS_LINE, str(ended)], cwd=ROOT, stdout=subprocess.PIPE)  # fmt: skip
+    received = 0
+    while received < 2 << 20:
+        chunk = os.read(launcher.stdout.fileno(), 1 << 16)
+        assert chunk, "the launcher ended early"
+        received += len(chunk)
+    assert not ended.exists(), "the line was held until it ended"
+    rest = launcher.communicate(timeout=60)[0]
+    assert launcher.returncode == 0 and received + rest.count(b"x") == 3 * (1 << 20) + 60
