@@ -2,14 +2,16 @@
 beside its analytic bubble, at 4 stages × 8 microbatches (2 chunks for circular and interleaved
 1F1B), data 2, on the 8 devices JAX sees (fake CPU devices unless there are 8 accelerators).
 
-    python scripts/bench_bubble.py [--steps 3] [--plot docs/img]
+    python scripts/bench_bubble.py [--steps 3] [--plot docs/img] [--mlp 128] [--schedules 1f1b zero_bubble]
 
 With `--plot DIR` (the `plot` extra) it also draws each timetable-driven schedule's profiled step,
 stage by stage (`pipeline-measured-<schedule>.svg`), the pictures beside the tables' on the
 pipeline page.
 
 The model is tiny (8 layers of width 64): a stage's work is a few matmuls, and the head and the
-loss cost about as much as a stage's forward of two layers. GPipe and circular run them after the
+loss cost about as much as a stage's forward of two layers. `--mlp` widens the feed-forward, whose
+matmuls' input and weight gradients cost alike, so that they weigh more in a stage's work than
+the attention's backward, which has no weights, as they do at scale. GPipe and circular run them after the
 loop; the timetable-driven schedules inside it, each stage on its block of the vocabulary, in the
 steps where the last stage forwards. On fake CPU devices, 8 share the host's cores.
 """
@@ -37,10 +39,10 @@ from jaxllm.train.step import compile_train_step, init_state  # noqa: E402
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("circular", 2), ("interleaved_1f1b", 2), ("zero_bubble", 1))
 
 
-def profiled(schedule: str, chunks: int, steps: int):
+def profiled(schedule: str, chunks: int, steps: int, mlp: int):
     """(the profiler's summary of `steps` train steps after one that compiles, the run's schedule)."""
     cfg = RunConfig().updated(
-        model=dict(num_layers=8, hidden=64, num_heads=8, mlp=128, vocab_size=257, max_seq_len=64, qkv_share_every=1,
+        model=dict(num_layers=8, hidden=64, num_heads=8, mlp=mlp, vocab_size=257, max_seq_len=64, qkv_share_every=1,
                    dtype="float32"),
         parallel=dict(data=2, stage=4, microbatches=8, repeats=chunks, schedule=schedule),
         data=dict(bpe_vocab_size=256),
@@ -90,12 +92,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="profiled train steps per schedule")
     parser.add_argument("--plot", type=pathlib.Path, help="draw each timetable-driven schedule's profiled step here")
+    parser.add_argument("--mlp", type=int, default=128, help="the feed-forward's width (the model's is 64)")
+    parser.add_argument("--schedules", nargs="+", choices=[s for s, _ in SCHEDULES], default=[s for s, _ in SCHEDULES])
     args = parser.parse_args()
-    print(f"{jax.devices()[0].device_kind} × {jax.device_count()}, jax {jax.__version__}; 4 stages, 8 microbatches")
+    print(f"{jax.devices()[0].device_kind} × {jax.device_count()}, jax {jax.__version__}; 4 stages, 8 microbatches, "
+          f"mlp {args.mlp}")  # fmt: skip
     print(f"{'schedule':>18} {'chunks':>6} {'analytic':>9} {'measured':>9}")
     measured, costs = {}, {}
     for schedule, chunks in SCHEDULES:
-        summary, run_schedule = profiled(schedule, chunks, args.steps)
+        if schedule not in args.schedules:
+            continue
+        summary, run_schedule = profiled(schedule, chunks, args.steps, args.mlp)
         measured[schedule] = summary.bubble
         if schedule == "zero_bubble":
             costs[schedule] = cell_costs(timetable.of(run_schedule), np.asarray(summary.stage_work) * 1e3)
@@ -109,6 +116,8 @@ def main() -> None:
               f"ZB-H1's bubble at these costs {idle / (8 * (f + b + w) + idle):.3f}")  # fmt: skip
     one_f_one_b = timetable.build("1f1b", 4, 8, 1).bubble()
     for kind, chunks, name in (("interleaved_1f1b", 2, "interleaved 1F1B"), ("zero_bubble", 1, "zero-bubble")):
+        if kind not in measured or "1f1b" not in measured:
+            continue
         analytic = timetable.build(kind, 4, 8, chunks).bubble() / one_f_one_b
         print(f"{name} ÷ 1F1B, measured {measured[kind] / measured['1f1b']:.2f}, analytic {analytic:.2f}")
 
