@@ -72,6 +72,15 @@ def cell_costs(table, work: np.ndarray) -> tuple[float, float, float]:
     return tuple(float(np.median(work[c & alone])) for c in cells)
 
 
+def forward_by_company(table, work: np.ndarray) -> dict[int, float]:
+    """The median work of the cells that run only a forward (outside the loss's steps), by how many
+    stages compute in their step: on fake devices, which share the host's cores, more is slower."""
+    forward, backward, weight = (a != timetable.IDLE for a in (table.forward, table.backward, table.weight))
+    busy = np.broadcast_to((forward | backward | weight).sum(axis=1, keepdims=True), forward.shape)
+    alone = forward & ~backward & ~weight & ~table.loss_steps[:, None]
+    return {int(n): float(np.median(work[alone & (busy == n)])) for n in np.unique(busy[alone])}
+
+
 def plot(directory: pathlib.Path, schedule, summary) -> None:
     import matplotlib
 
@@ -105,7 +114,9 @@ def main() -> None:
         summary, run_schedule = profiled(schedule, chunks, args.steps, args.mlp)
         measured[schedule] = summary.bubble
         if schedule == "zero_bubble":
-            costs[schedule] = cell_costs(timetable.of(run_schedule), np.asarray(summary.stage_work) * 1e3)
+            work = np.asarray(summary.stage_work) * 1e3
+            costs[schedule] = cell_costs(timetable.of(run_schedule), work)
+            company = forward_by_company(timetable.of(run_schedule), work)
         print(f"{schedule:>18} {chunks:>6} {timetable.bubble_of(run_schedule):>9.3f} {measured[schedule]:>9.3f}")
         if args.plot and summary.stage_work is not None:
             plot(args.plot, run_schedule, summary)
@@ -114,6 +125,8 @@ def main() -> None:
         idle = 3 * (f + b - w)
         print(f"zero-bubble's cells: forward {f:.2f}, input gradient {b:.2f}, weight pass {w:.2f} ms; "
               f"ZB-H1's bubble at these costs {idle / (8 * (f + b + w) + idle):.3f}")  # fmt: skip
+        by_busy = ", ".join(f"{n}: {ms:.2f}" for n, ms in company.items())
+        print(f"zero-bubble's forward cells by the stages computing in their step: {by_busy} ms")
     one_f_one_b = timetable.build("1f1b", 4, 8, 1).bubble()
     for kind, chunks, name in (("interleaved_1f1b", 2, "interleaved 1F1B"), ("zero_bubble", 1, "zero-bubble")):
         if kind not in measured or "1f1b" not in measured:
