@@ -17,7 +17,7 @@ ratio, the fraction of proposed tokens the model accepted and of output tokens t
 verify steps.
 
     python scripts/bench_speculative.py [--workdir runs/tiny [--draft runs/tiny-draft]] [--new 128] [--repeats 3]
-        [--draft-tokens 8]
+        [--draft-tokens 8] [--ngram 2 4]
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--draft", help="with --workdir: a smaller run of the same tokenizer to draft with")
     parser.add_argument("--draft-tokens", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ngram", type=int, nargs=2, metavar=("MIN", "MAX"), help="serve.ngram_min and ngram_max")
     args = parser.parse_args()
 
     import jax
@@ -74,6 +75,8 @@ def main() -> None:
 
     settings = {"slots": 4, "max_len": args.prompt_tokens + args.new + 8}
     speculation = {"speculative": "ngram", "draft_tokens": args.draft_tokens}
+    if args.ngram:
+        speculation.update(ngram_min=args.ngram[0], ngram_max=args.ngram[1])
     if args.draft:
         if not args.workdir:
             parser.error("--draft drafts for a trained run: pass --workdir too")
