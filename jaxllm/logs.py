@@ -68,8 +68,9 @@ class _Stdout(logging.Handler):
         return (_settings["all_processes"] or process_index() == 0) and super().filter(record)
 
     def emit(self, record: logging.LogRecord) -> None:
-        # A record is one write of its whole line, after emptying the buffer: processes that share
-        # a pipe (a launch's workers) then cannot split each other's lines.
+        # A record is one write of its whole line, after emptying the buffer: on a pipe that
+        # processes share, another process's write cannot split a line of up to 4 KiB. What others
+        # write in pieces still can: a local launch relays its workers' lines (`launch.Relay`).
         try:
             line = self.format(record) + "\n"
             with tqdm.external_write_mode(file=sys.stdout):
