@@ -9,11 +9,11 @@ stage by stage (`pipeline-measured-<schedule>.svg`), the pictures beside the tab
 pipeline page.
 
 The model is tiny (8 layers of width 64): a stage's work is a few matmuls, and the head and the
-loss cost about as much as a stage's forward of two layers. `--mlp` widens the feed-forward, whose
-matmuls' input and weight gradients cost alike, so that they weigh more in a stage's work than
-the attention's backward, which has no weights, as they do at scale. GPipe and circular run them after the
+loss cost about as much as a stage's forward of two layers. GPipe and circular run them after the
 loop; the timetable-driven schedules inside it, each stage on its block of the vocabulary, in the
-steps where the last stage forwards. On fake CPU devices, 8 share the host's cores.
+steps where the last stage forwards. On fake CPU devices, 8 share the host's cores. `--mlp` widens
+the feed-forward, whose matmuls' input and weight gradients cost alike, so that they weigh more in
+a stage's work than the attention's backward (no weights in it), as they do at scale.
 """
 
 from __future__ import annotations
@@ -63,22 +63,26 @@ def profiled(schedule: str, chunks: int, steps: int, mlp: int):
     return profiler.summary, run.schedule
 
 
-def cell_costs(table, work: np.ndarray) -> tuple[float, float, float]:
-    """The median work of the cells that run only a forward, only a backward, only a weight pass
-    (outside the steps with a share of the loss)."""
+def _cells_alone(table) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """[steps, stages] masks of the cells that run only a forward, only a backward, only a weight
+    pass (outside the steps with a share of the loss), and how many stages compute in each step."""
     forward, backward, weight = (a != timetable.IDLE for a in (table.forward, table.backward, table.weight))
-    alone = ~table.loss_steps[:, None]
-    cells = (forward & ~backward & ~weight, backward & ~forward & ~weight, weight & ~forward & ~backward)
-    return tuple(float(np.median(work[c & alone])) for c in cells)
+    outside = ~table.loss_steps[:, None]
+    busy = np.broadcast_to((forward | backward | weight).sum(axis=1, keepdims=True), forward.shape)
+    only = (forward & ~backward & ~weight, backward & ~forward & ~weight, weight & ~forward & ~backward)
+    return *(c & outside for c in only), busy
+
+
+def cell_costs(table, work: np.ndarray) -> tuple[float, float, float]:
+    """The median work of the cells that run only a forward, only a backward, only a weight pass."""
+    return tuple(float(np.median(work[c])) for c in _cells_alone(table)[:3])
 
 
 def forward_by_company(table, work: np.ndarray) -> dict[int, float]:
-    """The median work of the cells that run only a forward (outside the loss's steps), by how many
-    stages compute in their step: on fake devices, which share the host's cores, more is slower."""
-    forward, backward, weight = (a != timetable.IDLE for a in (table.forward, table.backward, table.weight))
-    busy = np.broadcast_to((forward | backward | weight).sum(axis=1, keepdims=True), forward.shape)
-    alone = forward & ~backward & ~weight & ~table.loss_steps[:, None]
-    return {int(n): float(np.median(work[alone & (busy == n)])) for n in np.unique(busy[alone])}
+    """The median work of the cells that run only a forward, by how many stages compute in their
+    step: on fake devices, which share the host's cores, more is slower."""
+    forward, _, _, busy = _cells_alone(table)
+    return {int(n): float(np.median(work[forward & (busy == n)])) for n in np.unique(busy[forward])}
 
 
 def plot(directory: pathlib.Path, schedule, summary) -> None:
@@ -101,7 +105,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="profiled train steps per schedule")
     parser.add_argument("--plot", type=pathlib.Path, help="draw each timetable-driven schedule's profiled step here")
-    parser.add_argument("--mlp", type=int, default=128, help="the feed-forward's width (the model's is 64)")
+    parser.add_argument("--mlp", type=int, default=128, help="the feed-forward's width (the model's: 64)")
     parser.add_argument("--schedules", nargs="+", choices=[s for s, _ in SCHEDULES], default=[s for s, _ in SCHEDULES])
     args = parser.parse_args()
     print(f"{jax.devices()[0].device_kind} × {jax.device_count()}, jax {jax.__version__}; 4 stages, 8 microbatches, "
@@ -114,9 +118,8 @@ def main() -> None:
         summary, run_schedule = profiled(schedule, chunks, args.steps, args.mlp)
         measured[schedule] = summary.bubble
         if schedule == "zero_bubble":
-            work = np.asarray(summary.stage_work) * 1e3
-            costs[schedule] = cell_costs(timetable.of(run_schedule), work)
-            company = forward_by_company(timetable.of(run_schedule), work)
+            table, work = timetable.of(run_schedule), np.asarray(summary.stage_work) * 1e3
+            costs[schedule], company = cell_costs(table, work), forward_by_company(table, work)
         print(f"{schedule:>18} {chunks:>6} {timetable.bubble_of(run_schedule):>9.3f} {measured[schedule]:>9.3f}")
         if args.plot and summary.stage_work is not None:
             plot(args.plot, run_schedule, summary)
