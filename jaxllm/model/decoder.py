@@ -195,10 +195,10 @@ class Decoder(nnx.Module):
     ) -> jax.Array:
         """The next-token cross-entropy of `targets`, summed over the tokens `mask` weighs, in fp32.
         A pipeline run by a timetable (1F1B) computes it inside its loop, the head included."""
-        x, ctx = self._embed(tokens, segment_ids, positions)
-        ctx = ctx._replace(dropout=dropout)
         if self.schedule is None or self.schedule.kind not in TABLE_SCHEDULES:
-            return summed_loss(self._head(self._stack(x, ctx, copies)), targets, mask)
+            x, ctx = self._embed(tokens, segment_ids, positions)
+            return summed_loss(self._head(self._stack(x, ctx._replace(dropout=dropout), copies)), targets, mask)
+        ctx = self._context(tokens, segment_ids, positions)._replace(dropout=dropout)
         specs = specs_of(self.groups)
         groups, graph = params_of(self.groups), nnx.graphdef(self.groups)
         if copies is None:
@@ -206,13 +206,14 @@ class Decoder(nnx.Module):
 
         stack_fn = partial(scan_groups, graph, self.model.remat, unrolled=self.schedule.split)
 
-        def forward_loss(groups, head, x, copies, ctx, targets, mask):  # GPipe's loop, forward only
+        def forward_loss(groups, head, table, copies, tokens, ctx, targets, mask):  # GPipe's loop, forward only
+            x, ctx = self._lookup(table, tokens), ctx._replace(rope=self._rope(ctx.positions))
             out = pipeline_stack(groups, specs, x, ctx, self.schedule, stack_fn, copies)
             return summed_loss(head_logits(self.model, head, out), targets, mask)
 
         return scheduled_loss(
-            groups, specs, self._head_params(), x, ctx, targets, mask, self.schedule, stack_fn,
-            self._vocab_split_loss, copies, forward_loss,
+            groups, specs, self._head_params(), self.embed.get_value(), tokens, ctx, targets, mask, self.schedule,
+            stack_fn, self._vocab_split_loss, copies, forward_loss, jnp.dtype(self.model.dtype), self._rope,
         )  # fmt: skip
 
     def extend(
@@ -231,13 +232,24 @@ class Decoder(nnx.Module):
         return self._head(x), cache
 
     def _embed(self, tokens, segment_ids, positions) -> tuple[jax.Array, layers.Context]:
+        return self._lookup(self.embed.get_value(), tokens), self._context(tokens, segment_ids, positions)
+
+    def _context(self, tokens, segment_ids, positions) -> layers.Context:
         model = self.model
-        ctx = layers.make_context(tokens, segment_ids, positions, model.head_dim, model.rope_theta, model.rope_scaling)
+        return layers.make_context(tokens, segment_ids, positions, model.head_dim, model.rope_theta, model.rope_scaling)
+
+    def _rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        model = self.model
+        return layers.rope_tables(
+            positions, layers.rope_frequencies(model.head_dim, model.rope_theta, model.rope_scaling)
+        )
+
+    def _lookup(self, table: jax.Array, tokens: jax.Array) -> jax.Array:
         # Gather the table's FSDP shards first (as for any weight), then look up vocab-sharded rows
         # of the fp32 table: the lookup's gradient adds every occurrence of a token into its row,
         # which in bf16 would stop growing after a few hundred occurrences.
-        table = constrain(self.embed.get_value(), "vocab", None)
-        return constrain(jnp.take(table, tokens, axis=0).astype(model.dtype), *RESIDUAL), ctx
+        table = constrain(table, "vocab", None)
+        return constrain(jnp.take(table, tokens, axis=0).astype(self.model.dtype), *RESIDUAL)
 
     def _head_params(self) -> Params:
         matrix = self.embed.get_value().T if self.model.tie_embeddings else self.lm_head.get_value()

@@ -121,10 +121,17 @@ def communication(cfg: RunConfig, backend: str = "gpu") -> list[Transfer]:
         add("tensor: block outputs reduce-scattered", "reduce-scatter", tp, block, block_reduces)
         add("tensor: block inputs all-gathered", "all-gather", tp, block, block_gathers)
         add("tensor: the head's input all-gathered", "all-gather", tp, act / head_split, accum)
+    else:
+        add("tensor: block outputs all-reduced", "all-reduce", tp, block, block_reduces)
+    if timetabled:  # the first stage looks each microbatch up in the loop, forward and again backward
+        lookup_op = "reduce-scatter" if p.sequence_parallel else "all-reduce"
+        add("tensor: the embedding lookups summed over the vocabulary", lookup_op, tp, act, 2 * accum)
+        if p.sequence_parallel:
+            add("tensor: the lookups' gradients all-gathered", "all-gather", tp, act / n["tensor"], accum)
+    elif p.sequence_parallel:
         add("tensor: the embedding table all-gathered", "all-gather", tp, table, accum)
         add("tensor: the embedding's gradient reduced", "all-reduce", tp, table, accum)
     else:
-        add("tensor: block outputs all-reduced", "all-reduce", tp, block, block_reduces)
         add("tensor: the embedding lookup all-reduced", "all-reduce", tp, act, accum)
     add("tensor: the head's input gradient all-reduced", "all-reduce", tp, act / head_split, accum)
 
@@ -140,7 +147,6 @@ def communication(cfg: RunConfig, backend: str = "gpu") -> list[Transfer]:
     if timetabled:
         add("stage: the output all-reduced to the head", "all-reduce", ("stage",), act / split_seq, accum)
         add("stage: the output's gradient all-reduced", "all-reduce", ("stage",), act / split_seq, accum)
-        add("stage: the input's gradient reduce-scattered", "reduce-scatter", ("stage",), act / split_seq, accum)
         add("stage: the head's gradient joined", "all-reduce", ("stage",), head, accum)
     elif schedule is not None:
         add("stage: the output reduce-scattered to the head", "reduce-scatter", ("stage",), act / split_seq, accum)
@@ -149,8 +155,8 @@ def communication(cfg: RunConfig, backend: str = "gpu") -> list[Transfer]:
         if p.sequence_parallel:  # how XLA lays out the head's sequence here
             logits = rows * t.seq_len * m.padded_vocab / n["tensor"] * 4
             add("stage: the logits' fp32 gradient all-gathered for the head", "all-gather", ("stage",), logits, accum)
-    if schedule is not None and p.sequence_parallel:  # how XLA lays out the lookup here (GPipe's, its sequence too)
-        lookup = 0 if timetabled else act / (n["tensor"] * stages) * (2 if n["fsdp"] > 1 else 1)  # (and back, fsdp)
+    if schedule is not None and p.sequence_parallel and not timetabled:  # how XLA lays out GPipe's lookup here
+        lookup = act / (n["tensor"] * stages) * (2 if n["fsdp"] > 1 else 1)  # (and back, under fsdp)
         add("stage: the embedding table and lookup re-laid out", "collective-permute", ("stage",),
             2 * weights["embed"] + lookup, accum)  # fmt: skip
 

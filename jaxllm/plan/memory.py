@@ -125,8 +125,9 @@ def memory(cfg: RunConfig) -> dict[str, float]:
         gathered = _per_device_bytes(groups, GATHERED_RULES, mesh, compute)
         gathered += _per_device_bytes(trained_groups, GATHERED_RULES, mesh, fp32)
     table = schedule is not None and schedule.kind in TABLE_SCHEDULES
-    if table:  # the head runs inside the loop, its vocabulary split over stage × tensor, with an fp32 gradient sum
-        gathered += 2 * m.hidden * m.padded_vocab // (sizes["tensor"] * sizes["stage"]) * 4
+    if table:  # the head runs inside the loop, its vocabulary split over stage × tensor, and the embedding,
+        # split over tensor, each with an fp32 gradient sum
+        gathered += 2 * m.hidden * m.padded_vocab * (1 / (sizes["tensor"] * sizes["stage"]) + 1 / sizes["tensor"]) * 4
     out["gathered weights + their fp32 gradient"] = gathered
     data, tensor, stage = sizes["data"] * sizes["fsdp"], sizes["tensor"], sizes["stage"]
     rows = t.batch_size // data // t.grad_accum_steps  # sequences per device per microstep
@@ -137,10 +138,12 @@ def memory(cfg: RunConfig) -> dict[str, float]:
         tokens, layers = rows * t.seq_len, m.num_layers
     else:
         tokens, layers = rows // schedule.microbatches * t.seq_len, m.num_layers // (stage * schedule.repeats)
-    if table:  # the embedded batch (then its gradient), the timetable's buffers, a unit's forward and
-        # backward in flight; one unit's chunk rebuilt at a time, as GPipe's stage
+    if table:  # the timetable's buffers (the stashed inputs twice: XLA keeps a buffer that a step
+        # reads before it writes it twice), a unit's forward and backward in flight, and the first
+        # stage's fp32 rows looked up for the microbatch it embeds; one unit's chunk rebuilt at a
+        # time, as GPipe's stage
         slots = timetable.of(schedule)
-        edges = (schedule.microbatches + slots.x_slots + slots.g_slots + 4) * tokens * residual
+        edges = (2 * (slots.x_slots + 1) + slots.g_slots + 4) * tokens * residual + tokens * m.hidden * 4
         if slots.split:  # zero_bubble: held units' residuals (what the remat policy keeps) and put-off
             # units' taps, each buffer with its scratch slot and the one the loop writes next step
             edges += ((slots.r_slots + 2) * stash + (slots.w_slots + 2) * taps) * layers * tokens

@@ -58,9 +58,9 @@ def test_planned_memory_follows_the_compiler(layout):
 @pytest.mark.parametrize("kind, repeats", [("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1)])
 def test_planned_buffers_of_a_timetable_follow_the_compiler(kind, repeats):
     """What four times the batch adds at S = 4, M = 16, where each chunk is one QKV group (so with
-    remat full a stage keeps no layer internals): the embedded batch, the timetable's stashed inputs
-    and waiting gradients, the unit in flight and the logits, against what it adds to the compiled
-    peak. The weights, which dominate the totals above, cancel."""
+    remat full a stage keeps no layer internals): the timetable's stashed inputs (held twice) and
+    waiting gradients, the unit in flight, the first stage's looked-up rows and the logits, against
+    what it adds to the compiled peak. The weights, which dominate the totals above, cancel."""
     grown = []
     for batch in (64, 256):
         cfg = small_config(num_layers=8, hidden=128, num_heads=8, num_kv_heads=8, mlp=384, vocab_size=1024,

@@ -211,6 +211,22 @@ def test_schedules_compiled_temporaries():
     assert 0.75 < (planned["zero_bubble"] - planned["1f1b"]) / added < 1.25, (temporaries, planned)
 
 
+def test_1f1b_holds_half_of_gpipes_temporaries_where_activations_outweigh_weights():
+    """S=4, M=16 with microbatches of 32 sequences a device and remat full, where the activations
+    outweigh the weights, their gradients and the optimizer's work: GPipe keeps M + S − 1
+    iteration inputs, 1F1B 2S − 1 stage inputs (its first stage embeds each microbatch as it
+    comes, and each unit builds its RoPE tables), so 1F1B needs at most half of GPipe's."""
+    temporaries = {}
+    for schedule in ("gpipe", "1f1b"):
+        cfg = small_config(num_layers=8, qkv_share_every=1, hidden=256, mlp=256, num_heads=4, num_kv_heads=4,
+                           remat="full")  # fmt: skip
+        layout = dict(stage=4, microbatches=16, data=2, schedule=schedule)
+        cfg = cfg.updated(parallel=layout, train=dict(batch_size=1024, seq_len=64))
+        temporaries[schedule] = _compiled(cfg, compile_train_step)[1].temp_size_in_bytes
+    print({k: round(v / 2**20, 1) for k, v in temporaries.items()})
+    assert temporaries["1f1b"] <= 0.5 * temporaries["gpipe"], temporaries
+
+
 def _scan_carries(jaxpr):
     """Avals of every loop carry of every scan in a jaxpr, nested ones included."""
     for eqn in jaxpr.eqns:

@@ -211,21 +211,21 @@ def test_device_kinds_read_as_their_own_rows(kind, row):
 
 def test_at_2048_a100s_the_120b_pipelines_again_as_the_pipeline_page_says():
     """docs/pipeline.md's row for 2,048 A100s (global batch 1,024 sequences): the fastest layout has
-    two stages of two chunks each, circular first and interleaved 1F1B within 0.5 % of its step time
-    in less memory, and GPipe's and no pipeline's best step times are the page's."""
+    two stages of two chunks each, interleaved 1F1B first and circular within 1 % of its step time
+    in less memory, and 1F1B's and no pipeline's best step times are the page's."""
     cfg = load_config("configs/120b.py").updated(train=dict(batch_size=1024, grad_accum_steps=1))
     fitting = search(cfg, 2048, ACCELERATORS["a100-80gb"]).fitting
     best = {}
     for c in fitting:
         best.setdefault(c.layout.schedule if c.layout.stage > 1 else "none", c)
     top = fitting[0].layout
-    assert (top.stage, top.repeats, top.schedule) == (2, 2, "circular")
+    assert (top.stage, top.repeats, top.schedule) == (2, 2, "interleaved_1f1b")
     assert "zero_bubble" not in best  # its put-off weight passes' taps do not fit beside 120B's weights
-    assert best["interleaved_1f1b"].estimate.step == pytest.approx(best["circular"].estimate.step, rel=5e-3)
-    assert best["interleaved_1f1b"].memory < best["circular"].memory
+    assert best["circular"].estimate.step == pytest.approx(best["interleaved_1f1b"].estimate.step, rel=1e-2)
+    assert best["circular"].memory < best["interleaved_1f1b"].memory
     row = re.search(r"^\| 2,048 \(1\) \| (.*)$", (ROOT / "docs" / "pipeline.md").read_text(), re.M).group(1)
     quoted = [float(x) for x in re.findall(r"([\d.]+) s(?:\*\*)?,", row)]
-    assert quoted == [round(best[k].estimate.step, 1) for k in ("none", "gpipe", "circular")]
+    assert quoted == [round(best[k].estimate.step, 1) for k in ("none", "1f1b", "interleaved_1f1b")]
 
 
 def test_docs_scale_page_is_what_the_planner_prints_today():
