@@ -106,7 +106,7 @@ def _run(
     embedding_axes = as_tuple(embedding_spec[0])
     head_specs = jax.tree.map(lambda _: P(), head) | {"matrix": P(None, VOCAB_AXES)}
     split = partial(split_microbatches, m=m)
-    ctx_micro = jax.tree.map(split, ctx._replace(rope=None, dropout=None))  # the tables of the whole batch: O(M)
+    ctx_micro = jax.tree.map(split, ctx._replace(rope=None, dropout=None))  # RoPE tables: built per unit, not O(M)
     to_next = [(j, (j + 1) % s) for j in range(s)]
     to_previous = [(j, (j - 1) % s) for j in range(s)]
     columns = tuple(jnp.asarray(a) for a in (
