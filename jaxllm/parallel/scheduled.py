@@ -49,7 +49,7 @@ from jaxllm.parallel.pipeline import (
 from jaxllm.parallel.rules import GATHERED_RULES, active_rules, as_tuple, is_axes, manual_spec
 from jaxllm.parallel.schedule import split_microbatches
 from jaxllm.parallel.split_backward import split_backward
-from jaxllm.parallel.tensor_parallel import RESIDUAL
+from jaxllm.parallel.tensor_parallel import RESIDUAL, vocab_split_lookup, vocab_split_lookup_grad
 from jaxllm.parallel.timetable import IDLE
 
 # The head's vocabulary inside the loop: each `tensor` block, as the head is stored, split over the stages.
@@ -161,7 +161,7 @@ def _run(
 
         def stage_input(xbuf, slot, chunk, j):
             """Virtual stage 0 embeds its microbatch; every other reads its stashed input."""
-            embedded = partial(_lookup, embedding, tokens[j], embedding_axes, seq_axes)
+            embedded = partial(vocab_split_lookup, embedding, tokens[j], embedding_axes, seq_axes)
             return jax.lax.cond(first(chunk), lambda: varying_like(embedded().astype(dtype), acts), lambda: xbuf[slot])
 
         def whole(a):  # the last stage's output whole along the sequence; the backward scatters its gradient back
@@ -196,7 +196,7 @@ def _run(
                 dx, taps = halves.input_grad(sinks_of(chunk_copies), inputs, rest, gbuf[g_slot], residuals)
             embedding_grads = jax.lax.cond(
                 first(chunk),  # its input gradient is the embedding's
-                lambda g: _lookup_grad(g, tokens[j], dx, embedding_axes, seq_axes),
+                lambda g: vocab_split_lookup_grad(g, tokens[j], dx, embedding_axes, seq_axes),
                 lambda g: g,
                 embedding_grads,
             )
@@ -311,33 +311,6 @@ def _run(
 def _summed_over_copies(g: jax.Array, spec: P) -> jax.Array:
     """A gradient summed over the devices that hold the same block of its weight (split as `spec`)."""
     return jax.lax.psum(g, tuple(sorted(varying_axes(g) - {a for p in spec for a in as_tuple(p)})))
-
-
-def _rows(block: jax.Array, tokens: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
-    """Where each token's row lies in this device's `block` of a table whose vocabulary is split
-    over `axes`, and whether it lies there."""
-    local = tokens - (jax.lax.axis_index(axes) * block.shape[0] if axes else 0)
-    inside = (local >= 0) & (local < block.shape[0])
-    return jnp.clip(local, 0, block.shape[0] - 1), inside[..., None]
-
-
-def _lookup(block: jax.Array, tokens: jax.Array, axes: tuple[str, ...], seq_axes: tuple[str, ...]) -> jax.Array:
-    """The rows of `tokens` [mb, seq] from a table split over `axes` along its vocabulary, each
-    device looking up those in its `block` (in fp32, as one device holds each row), summed over
-    the blocks; under sequence parallelism each device keeps its piece of the sequence."""
-    local, inside = _rows(block, tokens, axes)
-    rows = jnp.where(inside, block[local], 0)
-    if seq_axes:  # split along the sequence over the vocabulary's axes (`tensor`)
-        return jax.lax.psum_scatter(rows, axes, scatter_dimension=1, tiled=True)
-    return jax.lax.psum(rows, axes) if axes else rows
-
-
-def _lookup_grad(grads: jax.Array, tokens: jax.Array, dx: jax.Array, axes, seq_axes) -> jax.Array:
-    """`grads`, this device's block of the table's fp32 gradient sum, with `_lookup`'s gradient
-    added: `dx` [mb, seq (or its piece), embed] into the rows of `tokens` that the block holds."""
-    dx = all_gather(dx, seq_axes, 1) if seq_axes else dx
-    local, inside = _rows(grads, tokens, axes)
-    return grads.at[local].add(jnp.where(inside, dx.astype(jnp.float32), 0))
 
 
 def _buffer(aval, slots: int) -> jax.Array:

@@ -94,7 +94,34 @@ def vocab_split_summed_loss(
     logits = jnp.where(start + jnp.arange(width) < vocab_size, logits, masked)
     top = jax.lax.stop_gradient(jax.lax.pmax(jax.lax.stop_gradient(logits).max(axis=-1), axes))
     lse = top + jnp.log(jax.lax.psum(jnp.exp(logits - top[..., None]).sum(axis=-1), axes))
-    local = targets - start
-    picked = jnp.take_along_axis(logits, jnp.clip(local, 0, width - 1)[..., None], axis=-1)[..., 0]
-    target_logit = jax.lax.psum(jnp.where((local >= 0) & (local < width), picked, 0.0), axes)
+    local, inside = _in_block(targets, width, axes)
+    picked = jnp.take_along_axis(logits, local[..., None], axis=-1)[..., 0]
+    target_logit = jax.lax.psum(jnp.where(inside, picked, 0.0), axes)
     return jnp.sum((lse - target_logit) * mask.astype(jnp.float32))
+
+
+def _in_block(ids: jax.Array, width: int, axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
+    """Each id's index in this device's block of `width` entries of a vocabulary split over `axes`
+    (clipped into the block), and whether the block holds it."""
+    local = ids - (jax.lax.axis_index(axes) * width if axes else 0)
+    return jnp.clip(local, 0, width - 1), (local >= 0) & (local < width)
+
+
+def vocab_split_lookup(block: jax.Array, tokens: jax.Array, axes: tuple[str, ...], seq_axes: tuple[str, ...]):
+    """The rows of `tokens` [mb, seq] from a table split over `axes` along its vocabulary (Megatron's
+    vocab-parallel embedding): each device looks up those its `block` holds, in the block's dtype
+    (one device holds each row), summed over the blocks; under sequence parallelism (`seq_axes`,
+    the same axes) each device keeps its piece of the sequence."""
+    local, inside = _in_block(tokens, block.shape[0], axes)
+    rows = jnp.where(inside[..., None], block[local], 0)
+    if seq_axes:
+        return reduce_scatter_sum(rows, axes, 1)
+    return all_reduce_sum(rows, axes) if axes else rows
+
+
+def vocab_split_lookup_grad(grads: jax.Array, tokens: jax.Array, dx: jax.Array, axes, seq_axes) -> jax.Array:
+    """`grads`, this device's block of the table's fp32 gradient sum, with `vocab_split_lookup`'s
+    gradient added: `dx` [mb, seq (or its piece), embed] into the rows of `tokens` the block holds."""
+    dx = all_gather(dx, seq_axes, 1) if seq_axes else dx
+    local, inside = _in_block(tokens, grads.shape[0], axes)
+    return grads.at[local].add(jnp.where(inside[..., None], dx.astype(jnp.float32), 0))
