@@ -75,12 +75,17 @@ class KVCache(NamedTuple):
         return cls(_pool(model, pages, page_size, dtype), _pool(model, pages, page_size, dtype), empty)
 
 
+def locate(table: jax.Array, positions: jax.Array, page_size: int) -> tuple[jax.Array, jax.Array]:
+    """(page, offset) of each of `positions` [b, t] in the pages `table` [b, P] names; -1: the
+    scratch page."""
+    at = jnp.take_along_axis(table, jnp.maximum(positions, 0) // page_size, axis=1, mode="clip")
+    return jnp.where(positions >= 0, at, SCRATCH_PAGE), positions % page_size
+
+
 def write(pool: Entries, new: Entries, layer: jax.Array, table: jax.Array, positions: jax.Array) -> Entries:
     """`pool` with `new` [b, t, kv_heads, d] written at `positions` [b, t] of each row's pages
     (-1: the scratch page): a scatter of those entries alone, in place when the pool is donated."""
-    page_size = jax.tree.leaves(pool)[0].shape[3]
-    at = jnp.take_along_axis(table, jnp.maximum(positions, 0) // page_size, axis=1, mode="clip")
-    page, offset = jnp.where(positions >= 0, at, SCRATCH_PAGE), positions % page_size
+    page, offset = locate(table, positions, jax.tree.leaves(pool)[0].shape[3])
     return jax.tree.map(lambda p, n: p.at[layer, page, :, offset].set(n.astype(p.dtype)), pool, new)
 
 

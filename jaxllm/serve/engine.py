@@ -11,11 +11,8 @@ sequence (a structured output) waits for its last token to be read before it dec
 its grammar's mask for the next token depends on it: it decodes every other step, and its mask
 is computed while the device runs the step between. A speculating sequence (`serve.speculative`)
 feeds its next token and a draft after it, and streams as many tokens as the model accepts, and
-one more. By prompt lookup it waits for a verify step's tokens, as its next proposal follows from
-them (when every sequence waits, the step reads them first and dispatches what follows at once),
-unless the last verify step it read kept all its drafts, and proposes after a plain step without
-waiting; with a draft model it never waits, as the device knows where a verify step left the
-sequence (see `speculation.propose`).
+one more. It never waits for a step's tokens: the device makes its drafts (by prompt lookup or a
+draft model) and knows where a verify step left it (see `speculation.propose`).
 `serve_forever()` steps in a thread of its
 own while other threads (or an event loop) submit and read.
 
@@ -48,7 +45,7 @@ from jaxllm.serve.guards import PerplexityAlarm
 from jaxllm.serve.pages import PagePool
 from jaxllm.serve.scheduler import Chunk, Plan, Scheduler, Sequence, State
 from jaxllm.serve.settings import ServeConfig
-from jaxllm.serve.speculation import back_off, propose
+from jaxllm.serve.speculation import propose, spaced_out
 
 log = logging.getLogger("jaxllm.serve")
 
@@ -211,8 +208,8 @@ class Engine:
         dispatched = []
         try:
             if not (plan.decode or plan.prefill) and self._dispatched:
-                # Every sequence waits for a step on the device (a verify step's tokens): read it
-                # now, and dispatch what follows from it in this step rather than the next.
+                # Every sequence waits for a step on the device (a constrained one's token): read
+                # it now, and dispatch what follows from it in this step rather than the next.
                 previous, self._dispatched = self._dispatched, []
                 for step in previous:
                     self._read(step)
@@ -323,12 +320,14 @@ class Engine:
                         del self._sequences[generation]
 
     def _push_verified(self, sequence: Sequence, tokens: Tokens, drafted: int) -> bool:
-        """Streams a verify step's row (its accepted draft tokens and the one after, -1 past them);
-        True once the sequence has finished. Otherwise the pages taken for rejected tokens go back."""
+        """Streams a verify step's row (its accepted draft tokens and the one after, then -2 for each
+        draft it rejected, -1 past them); True once the sequence has finished. Otherwise the pages
+        taken for rejected tokens go back."""
         ids = [t for t in tokens.ids.tolist() if t >= 0]
-        if drafted:
+        proposed = sum(t != -1 for t in tokens.ids.tolist()) - 1  # accepted, then -2 for each rejected
+        if proposed:
             self.drafts, self.draft_tokens, self.accepted_tokens = (
-                self.drafts + 1, self.draft_tokens + drafted, self.accepted_tokens + len(ids) - 1,
+                self.drafts + 1, self.draft_tokens + proposed, self.accepted_tokens + len(ids) - 1,
             )  # fmt: skip
         generation = sequence.generation
         for j, token in enumerate(ids):
@@ -337,11 +336,7 @@ class Engine:
         rejected = drafted - (len(ids) - 1)  # (a row may have later steps on their way, which the device corrects)
         sequence.issued, sequence.rejected = sequence.issued - rejected, sequence.rejected + rejected
         self.scheduler.trim(sequence)
-        if drafted and len(ids) == 1:
-            back_off(sequence)
-        elif drafted:
-            sequence.misses = 0
-        sequence.kept_all = bool(drafted) and len(ids) - 1 == drafted
+        spaced_out(sequence, drafted, len(ids) - 1)
         return False
 
     def _measure_bandwidth(self, decode_bytes: float) -> None:

@@ -108,7 +108,7 @@ class Runner:
             return jax.device_put((cache.keys, cache.values), pool)
 
         self.pools, self.draft_pools = pools(self.model), self.draft and pools(self.draft)
-        self.slots_state = jax.device_put(Slots.empty(s.slots), replicated)
+        self.slots_state = jax.device_put(Slots.empty(s.slots, s.kv_pages, s.page_size), replicated)
 
     def _compile(self, progress: Progress) -> None:
         """Every step the engine will run, compiled now, each with its outputs' shardings fixed and
@@ -119,7 +119,8 @@ class Runner:
         out, drafted = ((pool, pool), replicated), self.draft and (pool, pool)
         common = dict(model=self.model, vocab_size=self.vocab_size, draft=self.draft)
         donated = (1, 2, 5)  # the caches and the slot state
-        decode_step = jax.jit(partial(decode, **common), out_shardings=(*out, replicated, drafted),
+        ngram = (self.settings.ngram_min, self.settings.ngram_max)
+        decode_step = jax.jit(partial(decode, ngram=ngram, **common), out_shardings=(*out, replicated, drafted),
                               donate_argnums=donated)  # fmt: skip
         prefill_step = partial(prefill, logprobs=self.settings.prompt_nll, **common)
         prefill_step = jax.jit(prefill_step, out_shardings=(*out, replicated, replicated, drafted),

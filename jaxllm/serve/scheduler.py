@@ -50,8 +50,6 @@ class Sequence:
     draft: list[int] = dataclasses.field(default_factory=list)  # proposed to follow its next token
     resume_at: int = 0  # a speculating sequence proposes nothing before this output index ...
     misses: int = 0  # ... after this many proposals in a row had nothing accepted
-    kept_all: bool = False  # the last verify step read back kept every draft
-    lookups: Any = None  # prompt lookup's index of its tokens (`speculation.NgramIndex`)
 
     @property
     def prompt(self) -> list[int]:
@@ -75,13 +73,11 @@ class Sequence:
         return self.generation.streams[self.choice].tokens
 
     def wants_tokens(self) -> bool:
-        """Decoding, short of max_tokens, and (if constrained, or speculating: its grammar's mask,
-        or its draft, follows from its last token) with every token read back; a speculating
-        sequence that proposes nothing before `resume_at` runs ahead until then, and one with a
-        draft proposed a token behind (see `engine`) does not wait for that token."""
+        """Decoding, short of max_tokens, and (if constrained: its grammar's mask follows from its
+        last token) with every token read back. A speculating sequence does not wait: its drafts
+        are made on the device (see `speculation`)."""
         synced = self.issued == len(self.output)
-        ahead = self.speculates and (self.issued < self.resume_at or bool(self.draft))
-        ready = synced or not (self.generation.matchers or self.speculates) or ahead
+        ready = synced or not self.generation.matchers
         return self.state is State.DECODE and self.issued < self.generation.request.max_tokens and ready
 
 

@@ -14,7 +14,7 @@ from jaxllm.config import ModelConfig, ParallelConfig, RunConfig, Section, field
 ServeDtype = Literal["float32", "bfloat16", "float16"]
 KvDtype = Literal["float32", "bfloat16", "float16", "int8"]
 DEFAULT_MAX_LEN = 8192  # a slot's length unless set: a 128k-context model would give each slot gigabytes
-NGRAM_LONGEST = 16  # prompt lookup indexes every run up to this long at each token: longer costs host memory
+NGRAM_LONGEST = 16  # prompt lookup compares the context once for each length up to this in every step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +97,7 @@ class ServeConfig(Section):
         require(
             1 <= self.ngram_min <= self.ngram_max <= NGRAM_LONGEST,
             f"serve.ngram_min={self.ngram_min} and serve.ngram_max={self.ngram_max} must satisfy 1 <= min <= max "
-            f"<= {NGRAM_LONGEST} (each token indexes every run of its last min to max tokens, in host memory)",
+            f"<= {NGRAM_LONGEST} (each verify step compares its context once for each length up to max)",
         )
         restarts = self.max_engine_restarts
         require(restarts >= 0, f"serve.max_engine_restarts={restarts} must be at least 0")

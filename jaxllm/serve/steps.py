@@ -6,9 +6,11 @@ long one) into the pages each row's table names, attending to what those pages a
 a row whose chunk ends its prompt samples its first token. `decode` advances B decoding rows by
 one token each, or, given up to K proposed tokens a row (speculative decoding), feeds them after
 it in the same step and keeps those the model would have drawn (`sampling.verify`) and one more:
-one read of the weights for several tokens. With a draft model (`serve.speculative=draft`) the
-proposals are its greedy continuations, drafted on the device in the same step: every step also
-writes the draft's keys and values of what it feeds, so its cache follows the target's pages.
+one read of the weights for several tokens. The proposals are made on the device in the same
+step, so no step waits for the host: by prompt lookup (`serve.speculative=ngram`, see `lookup`)
+over the tokens every step writes beside the cache's pages, or as a draft model's greedy
+continuations (`serve.speculative=draft`), every step then also writing the draft's keys and
+values of what it feeds, so its cache follows the target's pages.
 Both take each row's slot, a row of `Slots`: the token it feeds next and its
 sampling settings stay on the device, so one decode step can be dispatched before the host has
 read the last one's tokens. B, T and the table's width come in a few bucket sizes (`buckets`),
@@ -29,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.model.cache import KVCache
 from jaxllm.model.decoder import Model
 from jaxllm.model.sampling import Sampling, sample, verify
+from jaxllm.serve import lookup
 from jaxllm.serve.batches import DecodeBatch, PrefillBatch
 from jaxllm.serve.generation import TOP_LOGPROBS, Tokens
 
@@ -50,19 +53,21 @@ def _without_logprobs(ids: jax.Array) -> Tokens:
 class Slots(NamedTuple):
     """Per slot (and one scratch slot, the last, for padding rows): the token it feeds next, its
     request's sampling settings, and the draft tokens its verify steps rejected since its prefill
-    (the host counts them only once it reads them; see `decode`)."""
+    (the host counts them only once it reads them; see `decode`); and the token at each position
+    of the cache's pages, where prompt lookup reads a row's context (see `lookup`)."""
 
     last: jax.Array
     sampling: Sampling
     rejected: jax.Array
+    tokens: jax.Array  # [pages, page_size]
 
     @classmethod
-    def empty(cls, slots: int) -> Slots:
+    def empty(cls, slots: int, pages: int, page_size: int) -> Slots:
         def zeros(dtype=jnp.int32):  # separate buffers, so the state can be donated
             return jnp.zeros(slots + 1, dtype)
 
         sampling = Sampling(zeros(jnp.float32), zeros(), jnp.ones(slots + 1), zeros(jnp.uint32), zeros())
-        return cls(zeros(), sampling, zeros())
+        return cls(zeros(), sampling, zeros(), lookup.empty(pages, page_size))
 
 
 Pools = tuple  # a KVCache's (keys, values)
@@ -84,43 +89,95 @@ def decode(
     model: Model,
     vocab_size: int,
     draft: Model | None = None,
+    ngram: tuple[int, int] = (1, 1),
 ):
     """A token for each row of `batch`, after its accepted drafts if it has any: (pools, slots,
     `Tokens` with log-probs if the batch asks, the draft model's pools). Without drafts (K = 0)
-    the tokens are [B]; with them [B, K + 1], each row's output in order and -1 past its end. Keys
+    the tokens are [B]; with them [B, K + 1], each row's output in order, then -2 for each draft
+    it rejected and -1 past them. A row's drafts (of `batch.drafts`, only how many it wants) are
+    the `draft` model's, or without one prompt lookup's (`lookup.propose`, runs of `ngram`'s
+    (shortest, longest) tokens). A step in which no row has a draft runs as a plain one. Keys
     and values of rejected drafts stay in the pages past the row's position, where nothing reads
-    them before a later token overwrites them. With a `draft` model, each row's drafts (of
-    `batch.drafts`, only how many it wants) are that model's.
+    them before a later token overwrites them.
 
     A row's position and output index are the host's less the drafts rejected in steps it has
     not read yet (`batch.rejected` counts those it has): so a step may follow a verify step
     before the host knows how many tokens that one accepted."""
-    rows, drafts = batch.slots, batch.drafts
-    k = drafts.shape[1]
+    rows, k = batch.slots, batch.drafts.shape[1]
     unread = slots.rejected[rows] - batch.rejected
     positions = jnp.where(batch.positions >= 0, batch.positions - unread, -1)
     batch = batch._replace(positions=positions, index=batch.index - unread)
+    wanted = jnp.sum(batch.drafts >= 0, axis=1)
+    last = slots.last[rows]
     if draft is not None:
-        drafts, draft_pools = _drafted(draft, draft_params, draft_pools, slots.last[rows], batch, vocab_size)
-    fed = jnp.concatenate([slots.last[rows][:, None], jnp.maximum(drafts, 0)], axis=1)  # [B, K + 1]
-    j = jnp.arange(k + 1)[None]
-    live = (j <= jnp.sum(drafts >= 0, axis=1, keepdims=True)) & (positions[:, None] >= 0)
-    logits, cache = model.extend(params, fed, jnp.where(live, positions[:, None] + j, -1), KVCache(*pools, batch.table))
-    logits = _replicated(logits)
-    sampling = jax.tree.map(lambda a: a[rows], slots.sampling)
-    if k:
-        ids, accepted = verify(logits, drafts, sampling, batch.index, vocab_size, batch.allowed)
-        last = jnp.take_along_axis(ids, accepted[:, None], axis=1)[:, 0]
-        ids = jnp.where(j <= accepted[:, None], ids, -1)
-        rejected = slots.rejected.at[rows].add(jnp.sum(drafts >= 0, axis=1) - accepted)
+        drafts, draft_pools = _drafted(draft, draft_params, draft_pools, last, batch, vocab_size)
+    elif k:
+        context = lookup.context(slots.tokens, batch.table).at[jnp.arange(len(rows)), positions].set(last)
+        drafts = jnp.where(batch.drafts >= 0, lookup.propose(context, positions + 1, k, *ngram), -1)
     else:
-        logits, ids = logits[:, 0], sample(logits[:, 0], sampling, batch.index, vocab_size, batch.allowed)
-        last, rejected = ids, slots.rejected
-    slots = slots._replace(last=slots.last.at[rows].set(last), rejected=rejected)
+        drafts = batch.drafts
+    fed = jnp.concatenate([last[:, None], jnp.maximum(drafts, 0)], axis=1)  # [B, K + 1]
+    j = jnp.arange(k + 1)[None]
+    proposed = jnp.sum(drafts >= 0, axis=1, keepdims=True)
+    fed_at = jnp.where((j <= proposed) & (positions[:, None] >= 0), positions[:, None] + j, -1)
+    sampling = jax.tree.map(lambda a: a[rows], slots.sampling)
     tokens = partial(_tokens, vocab_size=vocab_size)
-    with_logprobs = partial(_over_positions, tokens) if k else tokens
-    out = jax.lax.cond(batch.logprobs, with_logprobs, lambda _, ids: _without_logprobs(ids), logits, ids)
-    return (cache.keys, cache.values), slots, out, draft_pools
+
+    def plain(pools):  # the fed token alone: [B] tokens
+        logits, cache = model.extend(params, fed[:, :1], fed_at[:, :1], KVCache(*pools, batch.table))
+        logits = _replicated(logits)[:, 0]
+        ids = sample(logits, sampling, batch.index, vocab_size, batch.allowed)
+        out = jax.lax.cond(batch.logprobs, tokens, lambda _, ids: _without_logprobs(ids), logits, ids)
+        return (cache.keys, cache.values), out
+
+    def verifying(pools):
+        logits, cache = model.extend(params, fed, fed_at, KVCache(*pools, batch.table))
+        logits = _replicated(logits)
+        ids, accepted = verify(logits, drafts, sampling, batch.index, vocab_size, batch.allowed)
+        ids = jnp.where(j <= accepted[:, None], ids, jnp.where(j <= proposed, -2, -1))
+        over_positions = partial(_over_positions, tokens)
+        out = jax.lax.cond(batch.logprobs, over_positions, lambda _, ids: _without_logprobs(ids), logits, ids)
+        return (cache.keys, cache.values), out, accepted
+
+    def unverified(pools):  # no row has a draft: a plain step's cost, its tokens as a verify step's
+        pools, out = plain(pools)
+        return pools, _followed_by_nothing(out, k), jnp.zeros_like(wanted)
+
+    if k:
+        pools, out, accepted = _either(jnp.any(drafts >= 0), verifying, unverified, pools)
+        new = jnp.take_along_axis(out.ids, accepted[:, None], axis=1)[:, 0]
+        slots = slots._replace(rejected=slots.rejected.at[rows].add(wanted - accepted))
+    else:
+        pools, out = plain(pools)
+        new = out.ids
+    tokens_fed = lookup.write(slots.tokens, batch.table, fed_at, fed)
+    slots = slots._replace(last=slots.last.at[rows].set(new), tokens=tokens_fed)
+    return pools, slots, out, draft_pools
+
+
+def _either(pred, if_true, if_false, state):
+    """`jax.lax.cond(pred, if_true, if_false, state)` for branches that return (state, *outputs),
+    as two loops of 0 or 1 trips: XLA updates a loop's carried buffers (the cache) in place, where
+    a conditional's branches copy them."""
+    outputs = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(if_true, state)[1:])
+
+    def run(branch, when, carry):
+        def body(trip_carry):
+            trip, carry = trip_carry
+            return trip + 1, branch(carry[0])
+
+        return jax.lax.while_loop(lambda trip_carry: (trip_carry[0] < 1) & when, body, (0, carry))[1]
+
+    return run(if_false, ~pred, run(if_true, pred, (state, *outputs)))
+
+
+def _followed_by_nothing(out: Tokens, k: int) -> Tokens:
+    """[B] `Tokens` as a verify step's [B, K + 1], -1 past the first."""
+
+    def padded(a, fill):
+        return jnp.concatenate([a[:, None], jnp.full((a.shape[0], k, *a.shape[1:]), fill, a.dtype)], axis=1)
+
+    return Tokens(padded(out.ids, -1), *(padded(a, 0) for a in out[1:]))
 
 
 def _drafted(draft: Model, params: dict, pools: Pools, fed: jax.Array, batch: DecodeBatch, vocab_size: int):
@@ -190,5 +247,6 @@ def prefill(
         slots.last.at[rows].set(jnp.where(batch.final, first, slots.last[rows])),
         jax.tree.map(lambda all_slots, row: all_slots.at[rows].set(row), slots.sampling, sampling),
         slots.rejected.at[rows].set(0),
+        lookup.write(slots.tokens, batch.table, positions, tokens),
     )
     return (cache.keys, cache.values), slots, _tokens(last, first, vocab_size), prompt, draft_pools

@@ -265,29 +265,34 @@ def test_requests_run_without_compiling_in_buckets_of_their_live_size(trained, e
     assert {(r, c) for r, c, _ in prefills} == {(r, c) for c in b.chunks for r in b.prefill_rows(c)}
 
 
-def _decode_cost(model, pages: int, width: int, rows: int = 8):
-    """A decode step's flops and temporaries, compiled for a pool of `pages` and tables of `width`."""
+def _decode_cost(model, pages: int, width: int, rows: int = 8, drafts: int = 0):
+    """A decode step's flops and temporaries, compiled for a pool of `pages` and tables of `width`
+    (verifying `drafts` tokens a row by prompt lookup)."""
     cache = KVCache.paged(model, pages, 16)
     params = jax.eval_shape(lambda: Model(model).init(0))
     step = jax.jit(partial(decode, model=Model(model), vocab_size=model.vocab_size), donate_argnums=(1, 2))
     i32 = partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     words = -(-model.vocab_size // 32)
     batch = DecodeBatch(i32((rows,)), i32((rows,)), i32((rows,)), i32((rows, width)),
-                        jax.ShapeDtypeStruct((), jnp.bool_), i32((rows, words)), i32((rows, 0)),
+                        jax.ShapeDtypeStruct((), jnp.bool_), i32((rows, words)), i32((rows, drafts)),
                         i32((rows,)))  # fmt: skip
     with jax.set_mesh(make_mesh(small_config().parallel, jax.devices()[:1])):
-        compiled = step.lower(params, (cache.keys, cache.values), Slots.empty(rows), batch).compile()
+        compiled = step.lower(params, (cache.keys, cache.values), Slots.empty(rows, pages, 16), batch).compile()
     return compiled.cost_analysis()["flops"], compiled.memory_analysis().temp_size_in_bytes
 
 
-def test_a_decode_step_copies_no_table_of_pages_and_costs_no_more_for_a_larger_pool():
-    """Its flops and temporaries are the same over a pool of 1k or 32k tokens, and its
-    temporaries the same over a table of 16 or 256 pages: attention reads a block of pages at a
-    time, never a copy of the table's pages (which at 256 pages of 8 rows would be 4 MB)."""
+@pytest.mark.parametrize("drafts", [0, 4])
+def test_a_decode_step_copies_no_table_of_pages_and_costs_no_more_for_a_larger_pool(drafts):
+    """Its flops and temporaries are the same over a pool of 1k or 32k tokens, a verify step's too
+    (whether it verifies or, no row having a draft, runs as a plain step, the pool is updated in
+    place), and a plain step's temporaries the same over a table of 16 or 256 pages: attention
+    reads a block of pages at a time, never a copy of the table's pages (which at 256 pages of 8
+    rows would be 4 MB)."""
     model = small_config().model.replace(max_seq_len=4096)
-    small, large = _decode_cost(model, 65, 16), _decode_cost(model, 2049, 16)  # 1k and 32k tokens of pool
+    small, large = (_decode_cost(model, pages, 16, drafts=drafts) for pages in (65, 2049))  # 1k and 32k tokens
     assert small == large
-    assert _decode_cost(model, 2049, 256)[1] <= small[1]
+    if not drafts:
+        assert _decode_cost(model, 2049, 256)[1] <= small[1]
 
 
 def _paged_case(kv_dtype: str, pool_pages: int, width: int, positions: jax.Array):
