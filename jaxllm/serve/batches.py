@@ -33,7 +33,7 @@ class DecodeBatch(NamedTuple):
     table: np.ndarray  # [B, pages] the row's pages
     logprobs: Any  # a bool: report log-probs (their top-k over the vocab costs as much as sampling)
     allowed: np.ndarray  # [B, words] int32 bitmask of the tokens a row may draw
-    drafts: np.ndarray  # [B, K] tokens proposed to follow the fed one, verified in this step (-1: none); K may be 0
+    drafts: np.ndarray  # [B, K] 0 where the row wants a token proposed by the device (-1: not); K may be 0
     rejected: np.ndarray  # [B] the row's rejected drafts the host has read since its prefill (see `steps.decode`)
 
 
@@ -86,18 +86,18 @@ def decode_batch(
     drafts: int = 0,
 ) -> DecodeBatch:
     """`sequences` (those in `masks` constrained by their mask) padded to `rows` rows, tables of
-    `width` pages and `drafts` proposed tokens a row (each sequence's `draft`); `slots` is the
-    scratch slot."""
+    `width` pages and room for `drafts` proposed tokens a row (each sequence wants its `drafts`);
+    `slots` is the scratch slot."""
     slot, index, table, allowed = _padded(rows, slots, width, words)
-    positions, proposed = np.full(rows, -1, np.int32), np.full((rows, drafts), -1, np.int32)
+    positions, wanted = np.full(rows, -1, np.int32), np.full((rows, drafts), -1, np.int32)
     rejected = np.zeros(rows, np.int32)
     for r, s in enumerate(sequences):
         slot[r], positions[r], index[r], rejected[r] = s.slot, s.position, s.issued, s.rejected
-        table[r, : len(s.pages)], proposed[r, : len(s.draft)] = s.pages, s.draft
+        table[r, : len(s.pages)], wanted[r, : s.drafts] = s.pages, 0
         if s in masks:
             allowed[r] = masks[s]
     logprobs = any(s.generation.request.logprobs is not None for s in sequences)
-    return DecodeBatch(slot, positions, index, table, np.bool_(logprobs), allowed, proposed, rejected)
+    return DecodeBatch(slot, positions, index, table, np.bool_(logprobs), allowed, wanted, rejected)
 
 
 def prefill_batch(rows: list[PrefillRow], count: int, size: int, width: int, slots: int, words: int) -> PrefillBatch:

@@ -260,13 +260,13 @@ class Engine:
             return None
         width = Buckets.fit(max(len(s.pages) for s in sequences), self.buckets.pages)
         rows = Buckets.fit(len(sequences), self.buckets.rows)
-        drafts = self.settings.draft_tokens if any(s.draft for s in sequences) else 0
+        drafts = self.settings.draft_tokens if any(s.drafts for s in sequences) else 0
         pending = self.device.decode(decode_batch(sequences, masks, rows, width, self.slots, self.words, drafts))
         draws = [(row, s, s.dispatched) for row, s in enumerate(sequences)]
         decode_bytes = self.device.decode_bytes([s.position + 1 for s in sequences])
         for s in sequences:
-            s.issued += 1 + len(s.draft)
-        return Dispatched(pending, draws, decode_bytes=decode_bytes, drafted=[len(s.draft) for s in sequences])
+            s.issued += 1 + s.drafts
+        return Dispatched(pending, draws, decode_bytes=decode_bytes, drafted=[s.drafts for s in sequences])
 
     def _mask(self, sequence: Sequence) -> np.ndarray:
         """The tokens a constrained sequence may draw next, as a bitmask row."""
@@ -323,8 +323,9 @@ class Engine:
         """Streams a verify step's row (its accepted draft tokens and the one after, then -2 for each
         draft it rejected, -1 past them); True once the sequence has finished. Otherwise the pages
         taken for rejected tokens go back."""
-        ids = [t for t in tokens.ids.tolist() if t >= 0]
-        proposed = sum(t != -1 for t in tokens.ids.tolist()) - 1  # accepted, then -2 for each rejected
+        row = tokens.ids.tolist()
+        ids = [t for t in row if t >= 0]
+        proposed = sum(t != -1 for t in row) - 1  # accepted, then -2 for each rejected
         if proposed:
             self.drafts, self.draft_tokens, self.accepted_tokens = (
                 self.drafts + 1, self.draft_tokens + proposed, self.accepted_tokens + len(ids) - 1,

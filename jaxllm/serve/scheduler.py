@@ -47,9 +47,9 @@ class Sequence:
     scores_prompt: bool = False  # its first prefill computes each prompt token's log-prob, so reads every one
     scored: Any = None  # those log-probs (`Tokens`), as its chunks come back
     speculates: bool = False  # drafts tokens for its next steps (see `speculation`)
-    draft: list[int] = dataclasses.field(default_factory=list)  # proposed to follow its next token
+    drafts: int = 0  # tokens the device is to propose after its next one, in the step being planned
     resume_at: int = 0  # a speculating sequence proposes nothing before this output index ...
-    misses: int = 0  # ... after this many proposals in a row had nothing accepted
+    misses: int = 0  # ... after this many verify steps in a row kept no draft
 
     @property
     def prompt(self) -> list[int]:
@@ -162,7 +162,7 @@ class Scheduler:
 
     def _grow(self) -> list[Sequence]:
         for sequence in list(self.running):
-            last = sequence.position + len(sequence.draft)  # where the step's last token goes
+            last = sequence.position + sequence.drafts  # where the step's last token goes
             while sequence.wants_tokens() and len(sequence.pages) < self.pool.pages_for(last + 1):
                 if taken := self.pool.take(1):
                     sequence.pages += taken

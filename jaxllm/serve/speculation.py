@@ -10,13 +10,13 @@ from jaxllm.serve.settings import ServeConfig
 
 
 def propose(sequence: Sequence, settings: ServeConfig) -> None:
-    """Sets `sequence.draft` to as many placeholders as it wants drafts now (none if it does not
+    """Sets `sequence.drafts`, how many it wants the device to propose now (none if it does not
     speculate now), never past its max_tokens. It never waits for a step's tokens: the device
     proposes from the last token it drew, and moves a step back by the drafts that the steps
     before it rejected (`steps.decode`)."""
     room = min(settings.draft_tokens, sequence.generation.request.max_tokens - sequence.issued - 1)
     speculates = sequence.speculates and sequence.state is State.DECODE and sequence.issued >= sequence.resume_at
-    sequence.draft = [0] * room if speculates and room > 0 else []
+    sequence.drafts = max(room, 0) if speculates else 0
 
 
 def spaced_out(sequence: Sequence, wanted: int, accepted: int) -> None:
