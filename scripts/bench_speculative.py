@@ -12,9 +12,13 @@ model's is (its greedy text repeats itself rather than its prompt):
    neither the prompt nor itself.
 
 Each line is the two engines' tokens/s over the same requests (the median of --repeats runs after
-a warm-up, the two engines' runs taking turns so that the machine's drift falls on both), their
+a warm-up, the engines' runs taking turns so that the machine's drift falls on both), their
 ratio, the fraction of proposed tokens the model accepted and of output tokens that came from
-verify steps.
+verify steps. With prompt lookup it also gives the ratio against the speculating engine's own
+plain steps (the same engine with serve.speculative set to off between runs): its buffers and
+executables are the speculating runs' own, where two engines of the same compiled steps may
+step at paces 10 % or more apart on this machine. (A draft model's engine runs the draft in its
+plain steps too, so only the plain engine is its baseline.)
 
     python scripts/bench_speculative.py [--workdir runs/tiny [--draft runs/tiny-draft]] [--new 128] [--repeats 3]
         [--draft-tokens 8] [--ngram 2 4]
@@ -23,6 +27,7 @@ verify steps.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import pathlib
 import re
@@ -95,6 +100,10 @@ def main() -> None:
             return build_engine(params, serving, tokenizer, make_mesh(serving.parallel, jax.devices()[:1]))
 
         plain, speculative = engine(**settings), engine(**settings, **speculation)
+    speculating = speculative.settings
+    # Prompt lookup's engine decodes plain steps too (a plain engine's, with the lookup's flag):
+    # the same engine with speculation off is a baseline of the same buffers and executables.
+    own_plain = None if args.draft else dataclasses.replace(speculating, speculative="off")
     ngram = f"ngram {speculative.settings.ngram_min}..{speculative.settings.ngram_max}"
     how = f"draft model {args.draft}" if args.draft else ngram
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {args.new} new tokens a request, one request at "
@@ -102,21 +111,24 @@ def main() -> None:
     for kind, prompts in prompt_sets(speculative.tokenizer, args.prompt_tokens).items():
         requests = [Request(p, args.new, temperature=t, seed=i, ignore_eos=True) for i, (p, t) in enumerate(prompts)]
 
-        def run(engine, requests=requests) -> float:
+        def run(engine, settings=None, requests=requests) -> float:
+            engine.settings = settings or engine.settings
             start = time.perf_counter()
             for r in requests:
                 engine.generate([r])
             return time.perf_counter() - start
 
         before = speculative.drafts, speculative.draft_tokens, speculative.accepted_tokens
-        times = [(run(plain), run(speculative)) for _ in range(args.repeats + 1)][1:]  # after a warm-up
-        base, fast = (statistics.median(t) for t in zip(*times, strict=True))
+        engines = [(plain, None), (speculative, speculating)] + [(speculative, own_plain)] * bool(own_plain)
+        times = [[run(*e) for e in engines] for _ in range(args.repeats + 1)][1:]  # after a warm-up
+        base, fast, *own = (statistics.median(t) for t in zip(*times, strict=True))
         now = speculative.drafts, speculative.draft_tokens, speculative.accepted_tokens
         drafts, drafted, accepted = (a - b for a, b in zip(now, before, strict=True))
         tokens = len(requests) * args.new
         verified = (drafts + accepted) / (tokens * (args.repeats + 1))  # each verify step: its accepted tokens and one
+        own = f" ({own[0] / fast:.2f}x its own engine's plain steps')" if own else ""
         print(f"{kind:>20}: plain {tokens / base:6.1f} tokens/s, {proposer} {tokens / fast:6.1f} tokens/s: "
-              f"{base / fast:.2f}x; {accepted / max(drafted, 1):.2f} of proposed tokens accepted, "
+              f"{base / fast:.2f}x{own}; {accepted / max(drafted, 1):.2f} of proposed tokens accepted, "
               f"{verified:.2f} of tokens from verify steps")  # fmt: skip
 
 

@@ -299,7 +299,7 @@ class Engine:
 
     def _read(self, step: Dispatched) -> None:
         """Streams what `step` produced; a choice that finishes gives back its pages and slot."""
-        tokens, prompt = self.device.read(step.pending)
+        tokens, prompt, recurs = self.device.read(step.pending)
         if step.decode_bytes:
             self._measure_bandwidth(step.decode_bytes)
         if step.scored:
@@ -308,6 +308,8 @@ class Engine:
             generation = sequence.generation
             if sequence.state is State.DONE or dispatched != len(sequence.output) + sequence.rejected:
                 continue  # it ended after the step was dispatched
+            if recurs is not None:
+                sequence.recurs = bool(recurs[row])
             with self._serving(generation):
                 if tokens.ids.ndim == 1:
                     logprob = self._logprob(generation, tokens, row)
@@ -337,7 +339,7 @@ class Engine:
         rejected = drafted - (len(ids) - 1)  # (a row may have later steps on their way, which the device corrects)
         sequence.issued, sequence.rejected = sequence.issued - rejected, sequence.rejected + rejected
         self.scheduler.trim(sequence)
-        spaced_out(sequence, drafted, len(ids) - 1)
+        spaced_out(sequence, proposed, len(ids) - 1)
         return False
 
     def _measure_bandwidth(self, decode_bytes: float) -> None:

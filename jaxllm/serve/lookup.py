@@ -31,9 +31,11 @@ def write(pool: jax.Array, table: jax.Array, positions: jax.Array, tokens: jax.A
     return pool.at[page, offset].set(tokens)
 
 
-def context(pool: jax.Array, table: jax.Array) -> jax.Array:
-    """Each row's tokens in position order: [b, P × page_size]."""
-    return pool[table].reshape(table.shape[0], -1)
+def context(pool: jax.Array, table: jax.Array, last: jax.Array, at: jax.Array) -> jax.Array:
+    """Each row's tokens in position order, with `last` [b] (not in the pool yet) at `at` [b]:
+    [b, P × page_size + 1], room for a token just past the pages."""
+    tokens = jnp.pad(pool[table].reshape(table.shape[0], -1), ((0, 0), (0, 1)))
+    return tokens.at[jnp.arange(table.shape[0]), at].set(last)
 
 
 def propose(tokens: jax.Array, length: jax.Array, count: int, shortest: int, longest: int) -> jax.Array:

@@ -13,6 +13,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,7 @@ class Pending:
 
     tokens: Tokens
     prompt: Tokens | None = None
+    recurs: Any = None  # (prompt lookup's decode steps) [rows] whether the next lookup finds a proposal
 
 
 def copy_bandwidth() -> float:
@@ -119,8 +121,9 @@ class Runner:
         out, drafted = ((pool, pool), replicated), self.draft and (pool, pool)
         common = dict(model=self.model, vocab_size=self.vocab_size, draft=self.draft)
         donated = (1, 2, 5)  # the caches and the slot state
-        ngram = (self.settings.ngram_min, self.settings.ngram_max)
-        decode_step = jax.jit(partial(decode, ngram=ngram, **common), out_shardings=(*out, replicated, drafted),
+        ngram = (self.settings.ngram_min, self.settings.ngram_max) if self.settings.speculative == "ngram" else None
+        recurs = replicated if ngram else None
+        decode_step = jax.jit(partial(decode, ngram=ngram, **common), out_shardings=(*out, replicated, drafted, recurs),
                               donate_argnums=donated)  # fmt: skip
         prefill_step = partial(prefill, logprobs=self.settings.prompt_nll, **common)
         prefill_step = jax.jit(prefill_step, out_shardings=(*out, replicated, replicated, drafted),
@@ -154,8 +157,8 @@ class Runner:
         """Dispatches a compiled decode step (its bucket from the batch's shapes)."""
         step = self.decode_steps[(*batch.table.shape, batch.drafts.shape[1])]
         state = (self.pools, self.slots_state, batch, self.draft_params, self.draft_pools)
-        self.pools, self.slots_state, tokens, self.draft_pools = step(self.params, *state)
-        return Pending(tokens)
+        self.pools, self.slots_state, tokens, self.draft_pools, recurs = step(self.params, *state)
+        return Pending(tokens, recurs=recurs)
 
     def prefill(self, batch: PrefillBatch) -> Pending:
         """Dispatches a compiled prefill step (its bucket from the batch's shapes)."""
@@ -165,9 +168,9 @@ class Runner:
         return Pending(tokens, prompt if self.settings.prompt_nll else None)
 
     @staticmethod
-    def read(pending: Pending) -> tuple[Tokens, Tokens | None]:
-        """A step's tokens (and scored prompt tokens), on the host once the step has run."""
-        return jax.device_get((pending.tokens, pending.prompt))
+    def read(pending: Pending) -> tuple[Tokens, Tokens | None, Any]:
+        """A step's tokens (and scored prompt tokens, and `recurs`), on the host once the step has run."""
+        return jax.device_get((pending.tokens, pending.prompt, pending.recurs))
 
     def decode_bytes(self, contexts: list[int]) -> float:
         """Bytes one device reads in a decode step over sequences of `contexts` tokens."""

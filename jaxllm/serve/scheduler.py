@@ -48,8 +48,9 @@ class Sequence:
     scored: Any = None  # those log-probs (`Tokens`), as its chunks come back
     speculates: bool = False  # drafts tokens for its next steps (see `speculation`)
     drafts: int = 0  # tokens the device is to propose after its next one, in the step being planned
+    recurs: bool = True  # (prompt lookup) the device finds a proposal after its last token read back
     resume_at: int = 0  # a speculating sequence proposes nothing before this output index ...
-    misses: int = 0  # ... after this many verify steps in a row kept no draft
+    misses: int = 0  # ... after this many verify steps in a row rejected all they proposed
 
     @property
     def prompt(self) -> list[int]:

@@ -89,16 +89,18 @@ def decode(
     model: Model,
     vocab_size: int,
     draft: Model | None = None,
-    ngram: tuple[int, int] = (1, 1),
+    ngram: tuple[int, int] | None = None,
 ):
     """A token for each row of `batch`, after its accepted drafts if it has any: (pools, slots,
-    `Tokens` with log-probs if the batch asks, the draft model's pools). Without drafts (K = 0)
-    the tokens are [B]; with them [B, K + 1], each row's output in order, then -2 for each draft
-    it rejected and -1 past them. A row's drafts (of `batch.drafts`, only how many it wants) are
-    the `draft` model's, or without one prompt lookup's (`lookup.propose`, runs of `ngram`'s
+    `Tokens` with log-probs if the batch asks, the draft model's pools, `recurs`). Without drafts
+    (K = 0) the tokens are [B]; with them [B, K + 1], each row's output in order, then -2 for each
+    draft it rejected and -1 past them. A row's drafts (of `batch.drafts`, only how many it wants)
+    are the `draft` model's, or without one prompt lookup's (`lookup.propose`, runs of `ngram`'s
     (shortest, longest) tokens). A step in which no row has a draft runs as a plain one. Keys
     and values of rejected drafts stay in the pages past the row's position, where nothing reads
-    them before a later token overwrites them.
+    them before a later token overwrites them. With `ngram` and no draft model, `recurs` [B] says
+    whether the lookup finds a proposal after the row's new token (None otherwise): the host
+    asks for drafts where it does, so text that does not repeat decodes by plain steps.
 
     A row's position and output index are the host's less the drafts rejected in steps it has
     not read yet (`batch.rejected` counts those it has): so a step may follow a verify step
@@ -112,7 +114,7 @@ def decode(
     if draft is not None:
         drafts, draft_pools = _drafted(draft, draft_params, draft_pools, last, batch, vocab_size)
     elif k:
-        context = lookup.context(slots.tokens, batch.table).at[jnp.arange(len(rows)), positions].set(last)
+        context = lookup.context(slots.tokens, batch.table, last, positions)
         drafts = jnp.where(batch.drafts >= 0, lookup.propose(context, positions + 1, k, *ngram), -1)
     else:
         drafts = batch.drafts
@@ -152,7 +154,12 @@ def decode(
         new = out.ids
     tokens_fed = lookup.write(slots.tokens, batch.table, fed_at, fed)
     slots = slots._replace(last=slots.last.at[rows].set(new), tokens=tokens_fed)
-    return pools, slots, out, draft_pools
+    recurs = None
+    if draft is None and ngram is not None:  # whether the next step's lookup will find something
+        at = jnp.where(positions >= 0, positions + 1 + (accepted if k else 0), -1)  # where `new` goes
+        context = lookup.context(tokens_fed, batch.table, new, at)
+        recurs = lookup.propose(context, at + 1, 1, *ngram)[:, 0] >= 0
+    return pools, slots, out, draft_pools, recurs
 
 
 def _either(pred, if_true, if_false, state):

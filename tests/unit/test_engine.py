@@ -270,7 +270,8 @@ def _decode_cost(model, pages: int, width: int, rows: int = 8, drafts: int = 0):
     (verifying `drafts` tokens a row by prompt lookup)."""
     cache = KVCache.paged(model, pages, 16)
     params = jax.eval_shape(lambda: Model(model).init(0))
-    step = jax.jit(partial(decode, model=Model(model), vocab_size=model.vocab_size), donate_argnums=(1, 2))
+    lookup = dict(ngram=(2, 4)) if drafts else {}
+    step = jax.jit(partial(decode, model=Model(model), vocab_size=model.vocab_size, **lookup), donate_argnums=(1, 2))
     i32 = partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     words = -(-model.vocab_size // 32)
     batch = DecodeBatch(i32((rows,)), i32((rows,)), i32((rows,)), i32((rows, width)),

@@ -131,14 +131,17 @@ def test_prompt_lookup_never_waits_for_a_steps_tokens(trained, engines):
     assert engine.drafts > verified
 
 
-def test_the_device_holds_each_sequences_tokens_where_its_keys_and_values_are(trained, engines):
+@pytest.mark.parametrize("shortest", [1, 2])
+def test_the_device_holds_each_sequences_tokens_and_knows_whether_they_recur(trained, engines, shortest):
     """What prompt lookup reads: after each engine step, the prompt and every output token read
     back sit at their positions of the sequence's pages (the prefill wrote the prompt, each
-    decode step what it fed), whatever drafts the steps rejected."""
-    engine = engines(**NGRAM)
+    decode step what it fed), whatever drafts the steps rejected; and the last decode step read
+    said whether a lookup after its last token finds a proposal, as a search of the whole context
+    does, where some do and some do not."""
+    engine = engines(**{**NGRAM, "serve.ngram_min": shortest})
     prompts = _prompts(trained[2])
     generations = [engine.submit(Request(p, 40, temperature=0.0, ignore_eos=True)) for p in prompts]
-    checked = 0
+    checked, recurred = 0, set()
     while engine.busy():
         engine.step()
         pool = np.asarray(engine.device.slots_state.tokens)
@@ -147,7 +150,34 @@ def test_the_device_holds_each_sequences_tokens_where_its_keys_and_values_are(tr
                 known = s.prompt + s.output[:-1]  # the last read token is fed by a step not yet run, or running
                 assert pool[s.pages].ravel()[: len(known)].tolist() == known
                 checked += 1
-    assert checked > 20 and all(g.choices()[0].tokens for g in generations)
+            if s.state is State.DECODE and len(s.output) > 1:  # a decode step's flag was read
+                context = s.prompt + s.output
+                assert s.recurs == bool(_searched(context, 1, engine.settings.ngram_max, shortest)), context
+                recurred.add(s.recurs)
+    assert checked > 20 and all(g.choices()[0].tokens for g in generations) and recurred == {True, False}
+
+
+def test_prompt_lookup_asks_for_drafts_only_where_the_last_step_found_a_proposal(trained, engines):
+    """Once a decode step has been read, a verify step is dispatched for a sequence only where the
+    decode step read last found its context's last tokens earlier (and it is not backing off
+    after rejected drafts); sampled text decodes by plain steps between them."""
+    engine = engines(**{**NGRAM, "serve.ngram_min": 2})
+    real, wanted = engine.device.decode, []
+
+    def decode(batch):
+        (s,) = engine.scheduler.running
+        if len(s.output) > 1:  # a decode step's flag was read
+            room = s.generation.request.max_tokens - s.issued - 1 > 0
+            wanted.append((bool((batch.drafts >= 0).any()), s.recurs and s.issued >= s.resume_at and room))
+        return real(batch)
+
+    engine.device.decode = decode
+    try:
+        engine.generate([Request(_prompts(trained[2])[0], 60, temperature=1.0, seed=1, ignore_eos=True)])
+    finally:
+        engine.device.decode = real
+    asked, expected = zip(*wanted, strict=True)
+    assert asked == expected and set(asked) == {True, False}
 
 
 class _Calls:
