@@ -53,8 +53,8 @@ class FakeDevice:
                 self.last[slot] = ids[-1]
         return self._tokens(ids)
 
-    def read(self, pending: Tokens) -> tuple[Tokens, None]:
-        return pending, None
+    def read(self, pending: Tokens) -> tuple[Tokens, None, None]:
+        return pending, None, None  # no scored prompt; no prompt lookup's flags
 
     def decode_bytes(self, contexts: list[int]) -> float:
         return float(sum(contexts))
