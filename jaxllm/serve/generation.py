@@ -44,6 +44,13 @@ class Tokens(NamedTuple):
     top_ids: Any  # [.., TOP_LOGPROBS] the most likely tokens, most likely first
     top_logprobs: Any
 
+    @classmethod
+    def without_logprobs(cls, ids: Any, xp: Any = np) -> Tokens:
+        """`ids` with zeros for their log-probs, as arrays of `xp` (numpy, or jax.numpy on a device)."""
+        zeros = xp.zeros(ids.shape, xp.float32)
+        top = xp.zeros((*ids.shape, TOP_LOGPROBS), xp.int32)
+        return cls(ids, zeros, top, top.astype(xp.float32))
+
 
 class RequestError(JaxllmError):
     """A request the engine cannot take; the message names the limit, `code` and `param` (if

@@ -9,11 +9,10 @@ device, so there is no separate "insert" of a prefilled sequence into the decode
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +31,8 @@ from jaxllm.serve.settings import Serving
 from jaxllm.serve.steps import Slots, decode, prefill
 
 
-@dataclasses.dataclass
-class Pending:
-    """A dispatched step's outputs, still on the device."""
+class Pending(NamedTuple):
+    """A dispatched step's outputs, still on the device (a pytree, which `jax.block_until_ready` waits for)."""
 
     tokens: Tokens
     prompt: Tokens | None = None
@@ -158,6 +156,8 @@ class Runner:
         step = self.decode_steps[(*batch.table.shape, batch.drafts.shape[1])]
         state = (self.pools, self.slots_state, batch, self.draft_params, self.draft_pools)
         self.pools, self.slots_state, tokens, self.draft_pools, recurs = step(self.params, *state)
+        if not batch.logprobs:  # its log-probs are zeros: `read` makes them on the host, not fetches them
+            tokens = Tokens(tokens.ids, None, None, None)
         return Pending(tokens, recurs=recurs)
 
     def prefill(self, batch: PrefillBatch) -> Pending:
@@ -170,7 +170,10 @@ class Runner:
     @staticmethod
     def read(pending: Pending) -> tuple[Tokens, Tokens | None, Any]:
         """A step's tokens (and scored prompt tokens, and `recurs`), on the host once the step has run."""
-        return jax.device_get((pending.tokens, pending.prompt, pending.recurs))
+        tokens, prompt, recurs = jax.device_get((pending.tokens, pending.prompt, pending.recurs))
+        if tokens.logprobs is None:
+            tokens = Tokens.without_logprobs(tokens.ids)
+        return tokens, prompt, recurs
 
     def decode_bytes(self, contexts: list[int]) -> float:
         """Bytes one device reads in a decode step over sequences of `contexts` tokens."""

@@ -44,10 +44,9 @@ def _tokens(logits: jax.Array, ids: jax.Array, vocab_size: int) -> Tokens:
     return Tokens(ids, chosen, top_ids, top_logprobs)
 
 
-def _without_logprobs(ids: jax.Array) -> Tokens:
-    zeros = jnp.zeros(ids.shape, jnp.float32)
-    top = jnp.zeros((*ids.shape, TOP_LOGPROBS), jnp.int32)
-    return Tokens(ids, zeros, top, top.astype(jnp.float32))
+def _bare(logits: jax.Array, ids: jax.Array) -> Tokens:
+    """A `jax.lax.cond` branch beside `_tokens`: `ids` without log-probs."""
+    return Tokens.without_logprobs(ids, jnp)
 
 
 class Slots(NamedTuple):
@@ -129,7 +128,7 @@ def decode(
         logits, cache = model.extend(params, fed[:, :1], fed_at[:, :1], KVCache(*pools, batch.table))
         logits = _replicated(logits)[:, 0]
         ids = sample(logits, sampling, batch.index, vocab_size, batch.allowed)
-        out = jax.lax.cond(batch.logprobs, tokens, lambda _, ids: _without_logprobs(ids), logits, ids)
+        out = jax.lax.cond(batch.logprobs, tokens, _bare, logits, ids)
         return (cache.keys, cache.values), out
 
     def verifying(pools):
@@ -138,7 +137,7 @@ def decode(
         ids, accepted = verify(logits, drafts, sampling, batch.index, vocab_size, batch.allowed)
         ids = jnp.where(j <= accepted[:, None], ids, jnp.where(j <= proposed, -2, -1))
         over_positions = partial(_over_positions, tokens)
-        out = jax.lax.cond(batch.logprobs, over_positions, lambda _, ids: _without_logprobs(ids), logits, ids)
+        out = jax.lax.cond(batch.logprobs, over_positions, _bare, logits, ids)
         return (cache.keys, cache.values), out, accepted
 
     def unverified(pools):  # no row has a draft: a plain step's cost, its tokens as a verify step's
@@ -247,7 +246,7 @@ def prefill(
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     else:
         logits, cache = model.extend(params, tokens, positions, cache, logits_at=lengths - 1)
-        last, prompt = _replicated(logits[:, 0]), _without_logprobs(batch.following)
+        last, prompt = _replicated(logits[:, 0]), Tokens.without_logprobs(batch.following, jnp)
     sampling = Sampling(*batch.sampling)
     first = sample(last, sampling, batch.index, vocab_size, batch.allowed)
     slots = Slots(

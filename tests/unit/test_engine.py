@@ -418,6 +418,30 @@ def test_decode_step_updates_the_donated_cache_in_place(engines):
         assert memory.temp_size_in_bytes < per_device / 2, (memory.temp_size_in_bytes, per_device)
 
 
+def test_a_decode_step_fetches_log_probs_only_where_a_row_asked_for_them(engines):
+    """A step's log-probs are zeros unless a row asked: the host makes those zeros rather than
+    copying them from the device. What is still on the device is a pytree of its arrays, which
+    `jax.block_until_ready` (the profiler's) waits for."""
+    engine = engines(2)
+    real, fetched = engine.device.decode, []
+
+    def decode(batch):
+        pending = real(batch)
+        assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(pending))
+        fetched.append((bool(batch.logprobs), pending.tokens.logprobs is not None))
+        return pending
+
+    engine.device.decode = decode
+    try:
+        prompt = list(range(5, 25))
+        bare, scored = (engine.generate([Request(prompt, 8, temperature=0.0, ignore_eos=True, logprobs=n)])[0]
+                        .choices()[0] for n in (None, 2))  # fmt: skip
+    finally:
+        engine.device.decode = real
+    assert bare.tokens == scored.tokens and all(logprob.logprob < 0 for logprob in scored.logprobs)
+    assert {asked for asked, _ in fetched} == {True, False} and all(asked == got for asked, got in fetched)
+
+
 def _with_stop_ids(workdir, directory, tokenizer, ids):
     """The run's tokenizer.json as a model's files ship it: beside a generation_config.json that
     names `ids` as stops besides eos (as Llama 3's names <|eot_id|>)."""
