@@ -30,6 +30,7 @@ SCHEDULES = {  # S = 4 throughout; the chunked kinds with 2 chunks per stage
     "1f1b": Schedule(stages=4, repeats=1, microbatches=8, kind="1f1b"),
     "interleaved_1f1b": Schedule(stages=4, repeats=2, microbatches=8, kind="interleaved_1f1b"),
     "zero_bubble": Schedule(stages=4, repeats=1, microbatches=8, kind="zero_bubble"),
+    "interleaved_zero_bubble": Schedule(stages=4, repeats=2, microbatches=8, kind="interleaved_zero_bubble"),
 }
 
 

@@ -1,8 +1,11 @@
 """Each pipeline schedule's measured bubble (the profiler's, as `train.profile_steps` logs it)
-beside its analytic bubble, at 4 stages × 8 microbatches (2 chunks for circular and interleaved
-1F1B), data 2, on the 8 devices JAX sees (fake CPU devices unless there are 8 accelerators).
+beside its analytic bubble and its step time, at 4 stages × 8 microbatches (2 chunks for the
+chunked schedules), data 2, on the 8 devices JAX sees (fake CPU devices unless there are 8
+accelerators). For the zero-bubble schedules it also prints their cells' measured costs and the
+table's bubble at those costs.
 
-    python scripts/bench_bubble.py [--steps 3] [--plot docs/img] [--mlp 128] [--schedules 1f1b zero_bubble]
+    python scripts/bench_bubble.py [--steps 3] [--plot docs/img] [--mlp 128] [--remat none]
+        [--schedules 1f1b zero_bubble]
 
 With `--plot DIR` (the `plot` extra) it also draws each timetable-driven schedule's profiled step,
 stage by stage (`pipeline-measured-<schedule>.svg`), the pictures beside the tables' on the
@@ -22,13 +25,14 @@ import argparse
 import os
 import pathlib
 import tempfile
+import time
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxllm.config import RunConfig  # noqa: E402
+from jaxllm.config import REMAT_POLICIES, TABLE_SCHEDULES, RunConfig  # noqa: E402
 from jaxllm.parallel import timetable  # noqa: E402
 from jaxllm.parallel.mesh import make_mesh  # noqa: E402
 from jaxllm.profile import StepProfiler  # noqa: E402
@@ -36,14 +40,18 @@ from jaxllm.profile.capture import stages_of  # noqa: E402
 from jaxllm.train.run import build_run  # noqa: E402
 from jaxllm.train.step import compile_train_step, init_state  # noqa: E402
 
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("circular", 2), ("interleaved_1f1b", 2), ("zero_bubble", 1))
+SCHEDULES = (
+    ("gpipe", 1), ("1f1b", 1), ("circular", 2), ("interleaved_1f1b", 2), ("zero_bubble", 1),
+    ("interleaved_zero_bubble", 2),
+)  # fmt: skip
 
 
-def profiled(schedule: str, chunks: int, steps: int, mlp: int):
-    """(the profiler's summary of `steps` train steps after one that compiles, the run's schedule)."""
+def profiled(schedule: str, chunks: int, steps: int, mlp: int, remat: str):
+    """(the profiler's summary of `steps` train steps after one that compiles, the run's schedule,
+    the median time of as many steps after them, unprofiled)."""
     cfg = RunConfig().updated(
         model=dict(num_layers=8, hidden=64, num_heads=8, mlp=mlp, vocab_size=257, max_seq_len=64, qkv_share_every=1,
-                   dtype="float32"),
+                   remat=remat, dtype="float32"),
         parallel=dict(data=2, stage=4, microbatches=8, repeats=chunks, schedule=schedule),
         data=dict(bpe_vocab_size=256),
         train=dict(batch_size=16, seq_len=64),
@@ -60,7 +68,12 @@ def profiled(schedule: str, chunks: int, steps: int, mlp: int):
             profiler.before(i)
             state, metrics = step(state, batch)
             profiler.after(i, (state, metrics))
-    return profiler.summary, run.schedule
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            state, metrics = jax.block_until_ready(step(state, batch))
+            times.append(time.perf_counter() - start)
+    return profiler.summary, run.schedule, float(np.median(times))
 
 
 def _cells_alone(table) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -106,36 +119,37 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="profiled train steps per schedule")
     parser.add_argument("--plot", type=pathlib.Path, help="draw each timetable-driven schedule's profiled step here")
     parser.add_argument("--mlp", type=int, default=128, help="the feed-forward's width (the model's: 64)")
+    parser.add_argument("--remat", choices=REMAT_POLICIES, default="none", help="the model's remat policy")
     parser.add_argument("--schedules", nargs="+", choices=[s for s, _ in SCHEDULES], default=[s for s, _ in SCHEDULES])
     args = parser.parse_args()
     print(f"{jax.devices()[0].device_kind} × {jax.device_count()}, jax {jax.__version__}; 4 stages, 8 microbatches, "
-          f"mlp {args.mlp}")  # fmt: skip
-    print(f"{'schedule':>18} {'chunks':>6} {'analytic':>9} {'measured':>9}")
-    measured, costs = {}, {}
+          f"mlp {args.mlp}, remat {args.remat}")  # fmt: skip
+    print(f"{'schedule':>23} {'chunks':>6} {'analytic':>9} {'measured':>9} {'step ms':>8}")
+    measured, steps = {}, {}
     for schedule, chunks in SCHEDULES:
         if schedule not in args.schedules:
             continue
-        summary, run_schedule = profiled(schedule, chunks, args.steps, args.mlp)
+        summary, run_schedule, steps[schedule] = profiled(schedule, chunks, args.steps, args.mlp, args.remat)
         measured[schedule] = summary.bubble
-        if schedule == "zero_bubble":
+        print(f"{schedule:>23} {chunks:>6} {timetable.bubble_of(run_schedule):>9.3f} {measured[schedule]:>9.3f} "
+              f"{steps[schedule] * 1e3:>8.1f}")  # fmt: skip
+        if run_schedule.split:
             table, work = timetable.of(run_schedule), np.asarray(summary.stage_work) * 1e3
-            costs[schedule], company = cell_costs(table, work), forward_by_company(table, work)
-        print(f"{schedule:>18} {chunks:>6} {timetable.bubble_of(run_schedule):>9.3f} {measured[schedule]:>9.3f}")
+            f, b, w = cell_costs(table, work)
+            print(f"{'':>25}cells: forward {f:.2f}, input gradient {b:.2f}, weight pass {w:.2f} ms; the table's "
+                  f"bubble at these costs {table.bubble(timetable.Costs(f, b, w)):.3f}")  # fmt: skip
+            by_busy = ", ".join(f"{n}: {ms:.2f}" for n, ms in forward_by_company(table, work).items())
+            print(f"{'':>25}forward cells by the stages computing in their step: {by_busy} ms")
         if args.plot and summary.stage_work is not None:
             plot(args.plot, run_schedule, summary)
-    if "zero_bubble" in costs:  # ZB-H1's bubble, (S − 1)(F + B − W) / (M(F + B + W) + (S − 1)(F + B − W))
-        f, b, w = costs["zero_bubble"]
-        idle = 3 * (f + b - w)
-        print(f"zero-bubble's cells: forward {f:.2f}, input gradient {b:.2f}, weight pass {w:.2f} ms; "
-              f"ZB-H1's bubble at these costs {idle / (8 * (f + b + w) + idle):.3f}")  # fmt: skip
-        by_busy = ", ".join(f"{n}: {ms:.2f}" for n, ms in company.items())
-        print(f"zero-bubble's forward cells by the stages computing in their step: {by_busy} ms")
+    if "1f1b" not in measured:
+        return
     one_f_one_b = timetable.build("1f1b", 4, 8, 1).bubble()
-    for kind, chunks, name in (("interleaved_1f1b", 2, "interleaved 1F1B"), ("zero_bubble", 1, "zero-bubble")):
-        if kind not in measured or "1f1b" not in measured:
-            continue
-        analytic = timetable.build(kind, 4, 8, chunks).bubble() / one_f_one_b
-        print(f"{name} ÷ 1F1B, measured {measured[kind] / measured['1f1b']:.2f}, analytic {analytic:.2f}")
+    for kind, chunks in SCHEDULES:
+        if kind in measured and kind in TABLE_SCHEDULES and kind != "1f1b":
+            analytic = timetable.build(kind, 4, 8, chunks).bubble() / one_f_one_b
+            print(f"{kind} ÷ 1f1b: bubble measured {measured[kind] / measured['1f1b']:.2f}, analytic "
+                  f"{analytic:.2f}; step time {steps[kind] / steps['1f1b']:.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

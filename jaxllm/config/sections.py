@@ -19,14 +19,14 @@ MlpActivation = Literal["swiglu", "geglu", "gelu"]
 AttentionKernel = Literal["xla", "cudnn", "pallas"]
 RematPolicy = Literal["none", "full", "group", "selective", "dots", "offload"]
 AmaxReduce = Literal["global", "local"]
-PipelineSchedule = Literal["gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble"]
+PipelineSchedule = Literal["gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble", "interleaved_zero_bubble"]
 # Schedules run by a timetable (`parallel/timetable.py`) rather than as a forward loop JAX transposes.
-TABLE_SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble")
+TABLE_SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "interleaved_zero_bubble")
 # Timetable schedules whose backward is split (`parallel/split_backward.py`): the weight gradients
 # put off, the forward keeping what the remat policy keeps rather than recomputed from the stage input.
-SPLIT_SCHEDULES = ("zero_bubble",)
+SPLIT_SCHEDULES = ("zero_bubble", "interleaved_zero_bubble")
 # The schedules whose stages each hold `repeats` chunks, and each one's schedule of one chunk a stage.
-CHUNKED_SCHEDULES = {"circular": "gpipe", "interleaved_1f1b": "1f1b"}
+CHUNKED_SCHEDULES = {"circular": "gpipe", "interleaved_1f1b": "1f1b", "interleaved_zero_bubble": "zero_bubble"}
 RopeScalingType = Literal["none", "linear", "llama3"]
 Quantize = Literal["int8"]
 REMAT_POLICIES = typing.get_args(RematPolicy)
@@ -232,7 +232,7 @@ class ParallelConfig(Section):
         "`repeats` chunks per stage), 1f1b (a microbatch's backward as soon as it can: a few "
         "microbatches held per stage, not all), interleaved_1f1b (1f1b over `repeats` chunks: a "
         "smaller bubble), zero_bubble (1f1b with each backward's weight gradients put off into the "
-        "bubble, ZB-H1)",
+        "bubble, ZB-H1), interleaved_zero_bubble (zero_bubble over `repeats` chunks)",
     )
     zero1: bool = field(True, "the optimizer state (and summed gradients) also split over data")
     sequence_parallel: bool = field(False, "the residual stream split over tensor along the sequence")
@@ -250,7 +250,7 @@ class ParallelConfig(Section):
         require(
             self.repeats == 1 or chunked,
             f"parallel.repeats={self.repeats} with parallel.schedule={self.schedule}: chunks per stage need "
-            f"schedule=circular or interleaved_1f1b (or repeats=1)",
+            f"schedule={' or '.join(CHUNKED_SCHEDULES)} (or repeats=1)",
         )
         require(
             self.repeats > 1 or not chunked or self.stage == 1,
@@ -258,8 +258,8 @@ class ParallelConfig(Section):
             f"(or schedule={CHUNKED_SCHEDULES.get(self.schedule)})",
         )
         require(
-            self.schedule != "interleaved_1f1b" or self.microbatches % self.stage == 0,
-            f"parallel.schedule=interleaved_1f1b sends microbatches through each chunk in groups of "
+            not (chunked and self.schedule in TABLE_SCHEDULES) or self.microbatches % self.stage == 0,
+            f"parallel.schedule={self.schedule} sends microbatches through each chunk in groups of "
             f"parallel.stage={self.stage}; set parallel.microbatches={self.microbatches} to a multiple of it",
         )
         require(

@@ -1,4 +1,4 @@
-"""The timetable of a table-driven pipeline schedule (`1f1b`, `interleaved_1f1b`, `zero_bubble`):
+"""The timetable of a table-driven pipeline schedule (`config.TABLE_SCHEDULES`):
 what each stage does in each step of the loop. In a step a stage runs at most one backward and one
 forward, each of one work unit (a microbatch through one of its chunks), and under `zero_bubble`
 at most one weight-gradient pass; then every stage hands its forward's output to the next stage
@@ -21,6 +21,9 @@ the units a stage holds in flight (forwarded, not yet back-propagated), whose in
   the weight gradients, which wait in the stage until a step has room for them: where 1F1B's
   stages idle while the last microbatches' gradients travel back, these stages compute the weight
   gradients they put off. A stage puts off fewer than 2S of them, whatever M.
+- `interleaved_zero_bubble`: interleaved 1F1B's order with zero-bubble's split backward (PyTorch's
+  `ScheduleInterleavedZeroBubble`, which torchtitan runs): interleaving's shorter warm-up and
+  cool-down, most of what is left of them filled with put-off weight passes.
 
 The table also assigns every stashed input and every waiting gradient a slot in a small buffer, so
 the loop's memory is the most a stage ever holds, not M microbatches.
@@ -36,10 +39,19 @@ import numpy as np
 from jaxllm.config import SPLIT_SCHEDULES, TABLE_SCHEDULES, Schedule
 
 IDLE = -1
-# The relative cost of a backward (input and weight gradients) and a forward, as the literature
-# counts them; with `jax.checkpoint`'s recompute the backward costs one forward more. Split, each
-# half costs a forward.
-BACKWARD_COST = 2.0
+
+
+class Costs(NamedTuple):
+    """A cell's work: a forward, an input gradient, a weight pass (an unsplit backward is both).
+    The literature counts each as 1, so 1F1B's backward costs 2; with `jax.checkpoint`'s recompute
+    it costs a forward more."""
+
+    forward: float = 1.0
+    input_grad: float = 1.0
+    weight: float = 1.0
+
+
+UNIT_COSTS = Costs()
 
 
 class Timetable(NamedTuple):
@@ -85,25 +97,27 @@ class Timetable(NamedTuple):
         """Whether the weight gradients are computed apart from the backward (`zero_bubble`)."""
         return bool((self.weight != IDLE).any())
 
-    def work(self, backward_cost: float = BACKWARD_COST) -> np.ndarray:
-        """[steps, stages]: each stage's work in each step when a forward costs 1 and a backward
-        `backward_cost` (split: its input gradient 1 and its weight pass 1)."""
-        b, w = (1.0, 1.0) if self.split else (backward_cost, 0.0)
-        return (self.forward != IDLE) + b * (self.backward != IDLE) + w * (self.weight != IDLE)
+    def work(self, costs: Costs = UNIT_COSTS) -> np.ndarray:
+        """[steps, stages]: each stage's work in each step at these `costs`."""
+        backward = costs.input_grad if self.split else costs.input_grad + costs.weight
+        return (
+            costs.forward * (self.forward != IDLE)
+            + backward * (self.backward != IDLE)
+            + costs.weight * (self.weight != IDLE)
+        )
 
-    def bubble(self, backward_cost: float = BACKWARD_COST) -> float:
-        """The fraction of stage time idle with `work`'s costs, every step as long as its busiest
+    def bubble(self, costs: Costs = UNIT_COSTS) -> float:
+        """The fraction of stage time idle at these `costs`, every step as long as its busiest
         stage's work (the stages meet at every step)."""
-        work = self.work(backward_cost)
+        work = self.work(costs)
         return float(1 - work.sum() / (work.shape[1] * work.max(axis=1).sum()))
 
 
-def work_order(kind: str, stages: int, microbatches: int, chunks: int) -> tuple[list, list]:
-    """The (microbatch, chunk) order of a stage's forwards and of its backwards."""
-    s, m, v = stages, microbatches, chunks
-    if kind in ("1f1b", "zero_bubble"):
-        return [(j, 0) for j in range(m)], [(j, 0) for j in range(m)]
-    groups = [(k // s, k % s) for k in range(m * v)]  # (group of S microbatches·chunk, index in it)
+def work_order(stages: int, microbatches: int, chunks: int) -> tuple[list, list]:
+    """The (microbatch, chunk) order of a stage's forwards and of its backwards: groups of S
+    microbatches through each chunk in turn (with one chunk, the microbatches in order)."""
+    s, v = stages, chunks
+    groups = [(k // s, k % s) for k in range(microbatches * v)]  # (group of S microbatches·chunk, index in it)
     forward = [((g // v) * s + i, g % v) for g, i in groups]
     backward = [((g // v) * s + i, v - 1 - g % v) for g, i in groups]
     return forward, backward
@@ -130,7 +144,7 @@ def build(kind: str, stages: int, microbatches: int, chunks: int) -> Timetable:
     """The timetable of `kind` (one of `config.TABLE_SCHEDULES`) for S stages, M microbatches and v chunks."""
     s_, m, v = stages, microbatches, chunks
     last = v * s_ - 1
-    forward_order, backward_order = work_order(kind, s_, m, v)
+    forward_order, backward_order = work_order(s_, m, v)
     forwarded, backpropagated = {}, {}  # (virtual stage, microbatch) -> step
     next_f, next_b = [0] * s_, [0] * s_
     split = kind in SPLIT_SCHEDULES

@@ -129,7 +129,9 @@ def test_the_glossary_defines_each_term_once_and_only_terms_the_pages_use():
 
 
 # Pictures of measurements, not of the code: `python scripts/bench_bubble.py --plot docs/img`.
-MEASURED = tuple(f"pipeline-measured-{kind}.svg" for kind in ("1f1b", "interleaved_1f1b", "zero_bubble"))
+MEASURED = tuple(
+    f"pipeline-measured-{kind}.svg" for kind in ("1f1b", "interleaved_1f1b", "zero_bubble", "interleaved_zero_bubble")
+)
 
 
 def test_every_picture_is_drawn_from_the_code_as_it_is_and_shown():

@@ -55,7 +55,9 @@ def test_planned_memory_follows_the_compiler(layout):
     assert 0.75 < (planned["none"]["total"] - planned["full"]["total"]) / saved < 1.25
 
 
-@pytest.mark.parametrize("kind, repeats", [("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1)])
+@pytest.mark.parametrize(
+    "kind, repeats", [("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1), ("interleaved_zero_bubble", 2)]
+)
 def test_planned_buffers_of_a_timetable_follow_the_compiler(kind, repeats):
     """What four times the batch adds at S = 4, M = 16, where each chunk is one QKV group (so with
     remat full a stage keeps no layer internals): the timetable's stashed inputs (held twice) and

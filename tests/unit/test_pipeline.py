@@ -65,6 +65,13 @@ CASES = {
     "zero bubble S4 M4 data2 sequence parallel": (
         4, 4, 1, dict(tensor=2, data=1, sequence_parallel=True, schedule="zero_bubble"), {},
     ),
+    "interleaved zero bubble S4 M8 R2 data2": (4, 8, 2, dict(data=2, schedule="interleaved_zero_bubble"), {}),
+    "interleaved zero bubble S2 M4 R2 fsdp2 tensor2": (
+        2, 4, 2, dict(fsdp=2, tensor=2, data=1, schedule="interleaved_zero_bubble"), {},
+    ),
+    "interleaved zero bubble S2 M8 R2 tensor2 data2 sequence parallel remat full": (
+        2, 8, 2, dict(tensor=2, data=2, sequence_parallel=True, schedule="interleaved_zero_bubble"), dict(remat="full"),
+    ),
 }  # fmt: skip
 
 
@@ -195,9 +202,13 @@ def test_schedules_compiled_temporaries():
     GPipe's (measured by making the line a residual on purpose): circular ≤ 1.2 × GPipe. 1F1B holds
     2S − 1 stage inputs where GPipe keeps M + S − 1: 1F1B ≤ 0.9 × GPipe, and interleaving two chunks
     per stage ≤ 1.2 × 1F1B. Zero-bubble keeps its units' residuals and its put-off weight passes'
-    taps on top of 1F1B's: what that adds is the planner's, within 25 %."""
+    taps on top of 1F1B's (interleaved, on top of interleaved 1F1B's): what that adds is the
+    planner's, within 25 %."""
     temporaries, planned = {}, {}
-    for schedule, repeats in (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1)):
+    for schedule, repeats in (
+        ("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1),
+        ("interleaved_zero_bubble", 2),
+    ):  # fmt: skip
         cfg = small_config(num_layers=8, qkv_share_every=1, hidden=256, mlp=256, num_heads=4, num_kv_heads=4)
         layout = dict(stage=4, microbatches=16, repeats=repeats, data=2, schedule=schedule)
         cfg = cfg.updated(parallel=layout, train=dict(batch_size=128, seq_len=64))
@@ -207,8 +218,9 @@ def test_schedules_compiled_temporaries():
     assert temporaries["circular"] <= 1.2 * temporaries["gpipe"], temporaries
     assert temporaries["1f1b"] <= 0.9 * temporaries["gpipe"], temporaries
     assert temporaries["interleaved_1f1b"] <= 1.2 * temporaries["1f1b"], temporaries
-    added = temporaries["zero_bubble"] - temporaries["1f1b"]
-    assert 0.75 < (planned["zero_bubble"] - planned["1f1b"]) / added < 1.25, (temporaries, planned)
+    for split, whole in (("zero_bubble", "1f1b"), ("interleaved_zero_bubble", "interleaved_1f1b")):
+        added = temporaries[split] - temporaries[whole]
+        assert 0.75 < (planned[split] - planned[whole]) / added < 1.25, (temporaries, planned)
 
 
 def test_1f1b_holds_half_of_gpipes_temporaries_where_activations_outweigh_weights():
@@ -341,8 +353,9 @@ def test_bf16_training_under_tensor_and_sequence_parallelism_tracks_fp32(layout)
         (dict(stage=2, microbatches=4, fsdp=2, data=2, schedule="1f1b"), 1),
         (dict(stage=2, microbatches=4, repeats=2, tensor=2, data=2, schedule="interleaved_1f1b"), 1),
         (dict(stage=2, microbatches=2, data=4, schedule="1f1b"), 2),
+        (dict(stage=2, microbatches=2, repeats=2, fsdp=2, data=2, schedule="interleaved_zero_bubble"), 2),
     ],
-    ids=["1f1b fsdp2", "interleaved tensor2", "1f1b accumulating 2"],
+    ids=["1f1b fsdp2", "interleaved tensor2", "1f1b accumulating 2", "interleaved zero-bubble fsdp2 accumulating 2"],
 )
 def test_table_schedules_train_two_steps_like_one_device(layout, accum):
     """fp32: Adam's first moment after one step (the step's gradient, scaled) and what two steps

@@ -3,8 +3,10 @@ compiled step's collectives (counted with loop trip counts), the compiler's memo
 cache, the pipeline's own schedule; its search, pictures and the docs page it writes."""
 
 import collections
+import dataclasses
 import math
 import re
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,7 @@ from test_layouts import LAYOUTS
 
 from jaxllm import plan
 from jaxllm.config import ModelConfig, Schedule, load_config
+from jaxllm.config.sections import PipelineSchedule
 from jaxllm.model.cache import KVCache
 from jaxllm.parallel import timetable
 from jaxllm.parallel.mesh import make_mesh
@@ -209,6 +212,21 @@ def test_device_kinds_read_as_their_own_rows(kind, row):
     assert accelerator_of(kind) is (ACCELERATORS[row] if row else None)
 
 
+def test_search_ranks_every_schedule_with_its_memory_and_bubble():
+    """The 1B config on 16 A100s: a layout of every schedule fits. Each zero-bubble schedule's
+    best is faster than its unsplit twin's (a smaller bubble, no recomputed forward) and holds
+    more memory at the same layout (the residuals and taps)."""
+    fitting = search(load_config("configs/1b.py"), 16, ACCELERATORS["a100-80gb"]).fitting
+    best = {}
+    for c in fitting:
+        best.setdefault(c.layout.schedule if c.layout.stage > 1 else "none", c)
+    assert set(best) == {"none", *typing.get_args(PipelineSchedule)}
+    for split, whole in (("zero_bubble", "1f1b"), ("interleaved_zero_bubble", "interleaved_1f1b")):
+        assert best[split].estimate.step < best[whole].estimate.step
+        twin = next(c for c in fitting if c.layout == dataclasses.replace(best[split].layout, schedule=whole))
+        assert twin.memory < best[split].memory and twin.estimate.step > best[split].estimate.step
+
+
 def test_at_2048_a100s_the_120b_pipelines_again_as_the_pipeline_page_says():
     """docs/pipeline.md's row for 2,048 A100s (global batch 1,024 sequences): the fastest layout has
     two stages of two chunks each, interleaved 1F1B first and circular within 1 % of its step time
@@ -220,7 +238,8 @@ def test_at_2048_a100s_the_120b_pipelines_again_as_the_pipeline_page_says():
         best.setdefault(c.layout.schedule if c.layout.stage > 1 else "none", c)
     top = fitting[0].layout
     assert (top.stage, top.repeats, top.schedule) == (2, 2, "interleaved_1f1b")
-    assert "zero_bubble" not in best  # its put-off weight passes' taps do not fit beside 120B's weights
+    # Their put-off weight passes' taps and held units' residuals do not fit beside 120B's weights.
+    assert "zero_bubble" not in best and "interleaved_zero_bubble" not in best
     assert best["circular"].estimate.step == pytest.approx(best["interleaved_1f1b"].estimate.step, rel=1e-2)
     assert best["circular"].memory < best["interleaved_1f1b"].memory
     row = re.search(r"^\| 2,048 \(1\) \| (.*)$", (ROOT / "docs" / "pipeline.md").read_text(), re.M).group(1)

@@ -172,7 +172,9 @@ def test_a_timetable_driven_pipelines_measured_work_follows_its_table(one_f_one_
     assert 0 < one_f_one_b.pipeline_share < 1
 
 
-@pytest.mark.parametrize("kind, chunks", [("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1)])
+@pytest.mark.parametrize(
+    "kind, chunks", [("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1), ("interleaved_zero_bubble", 2)]
+)
 def test_the_timetable_bubble_of_a_trace_with_the_tables_costs_is_the_tables_bubble(kind, chunks):
     """A trace written from the table: two accumulation microsteps, each a loop in its own `while`
     after some work outside it; in the loop a forward costs 1, a backward 2 (split: its input
