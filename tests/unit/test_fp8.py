@@ -270,15 +270,18 @@ def test_fp8_trains_alike_on_every_layout(layout, fp8_single):
     _assert_same_training(_train(cfg, 2), fp8_single, bound=0.06)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble"])
-def test_fp8_pipeline_matches_gradient_accumulation(schedule):
+@pytest.mark.parametrize(
+    "schedule, repeats", [("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1), ("interleaved_zero_bubble", 2)]
+)
+def test_fp8_pipeline_matches_gradient_accumulation(schedule, repeats):
     """amax is per microbatch: a pipeline of M microbatches (data-parallel inside its loop, where
     the pmax over `data` makes each microbatch's amax whole), GPipe's or 1F1B's timetable, against
     grad_accum_steps = M, to fp32 noise (4e-7 here) in every gradient and in two updates that
     follow them."""
-    pipelined = proportional_updates(_fp8_config())
-    pipelined = pipelined.updated(parallel=dict(stage=2, microbatches=2, data=4, schedule=schedule))
-    accumulated = proportional_updates(_fp8_config())
+    share = 2 // repeats  # a QKV group a chunk
+    pipelined = proportional_updates(_fp8_config(qkv_share_every=share))
+    pipelined = pipelined.updated(parallel=dict(stage=2, microbatches=2, data=4, schedule=schedule, repeats=repeats))
+    accumulated = proportional_updates(_fp8_config(qkv_share_every=share))
     accumulated = accumulated.updated(parallel=dict(data=4), train=dict(grad_accum_steps=2))
     _assert_same_training(_train(pipelined, 2), _train(accumulated, 2), bound=1e-5)
 

@@ -170,8 +170,9 @@ def test_each_adapter_of_a_layer_draws_its_own_dropout_mask():
         dict(data=1, fsdp=2, stage=2, tensor=2, microbatches=2, schedule="1f1b"),
         dict(data=1, fsdp=2, stage=2, tensor=2, microbatches=2, repeats=2, schedule="interleaved_1f1b"),
         dict(data=1, fsdp=2, stage=2, tensor=2, microbatches=2, schedule="zero_bubble"),
+        dict(data=1, fsdp=2, stage=2, tensor=2, microbatches=2, repeats=2, schedule="interleaved_zero_bubble"),
     ],
-    ids=["1f1b", "interleaved 1f1b", "zero bubble"],
+    ids=["1f1b", "interleaved 1f1b", "zero bubble", "interleaved zero bubble"],
 )
 def test_lora_under_timetable_driven_pipelines_matches_one_device(layout):
     """Three steps of adapters (8 layers, so that two chunks a stage fall on group boundaries): the
