@@ -210,7 +210,7 @@ class Schedule(NamedTuple):
     def bubble(self) -> float:
         """Fraction of stage-iterations that do no useful work: the same for 1F1B as for GPipe, and
         for interleaved 1F1B as for the circular schedule (`parallel/timetable.py` derives it from
-        each timetable)."""
+        each timetable). Not the split schedules': `timetable.bubble_of` reads theirs off the table."""
         return (self.stages - 1) / self.iterations
 
 

@@ -1,6 +1,6 @@
-"""A pipeline run by a timetable (`parallel/timetable.py`: 1F1B, interleaved 1F1B, zero-bubble), whose forwards
-and backwards of different microbatches interleave, so a stage holds a few microbatches' inputs in
-flight where GPipe holds all M.
+"""A pipeline run by a timetable (`parallel/timetable.py`: 1F1B and zero-bubble, each interleaved or
+not), whose forwards and backwards of different microbatches interleave, so a stage holds a few
+microbatches' inputs in flight where GPipe holds all M.
 
 Such a loop cannot be JAX's transpose of a forward loop: a microbatch's backward starts before the
 last microbatch's forward. So the model's ends run inside it, and one `lax.scan` inside a
@@ -167,7 +167,7 @@ def _run(
         def whole(a):  # the last stage's output whole along the sequence; the backward scatters its gradient back
             return all_gather(a, seq_axes, 1) if seq_axes else a
 
-        # zero_bubble: a unit's forward, input gradient and weight gradients as three parts of one
+        # Split schedules: a unit's forward, input gradient and weight gradients as three parts of one
         # traced pass (`split_backward.py`), the residuals and taps kept between them in buffers.
         halves, rbuf, wbuf = None, [], []
         if table.split:

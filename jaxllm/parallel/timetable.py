@@ -1,8 +1,8 @@
 """The timetable of a table-driven pipeline schedule (`config.TABLE_SCHEDULES`):
 what each stage does in each step of the loop. In a step a stage runs at most one backward and one
-forward, each of one work unit (a microbatch through one of its chunks), and under `zero_bubble`
-at most one weight-gradient pass; then every stage hands its forward's output to the next stage
-and its backward's input gradient to the previous one.
+forward, each of one work unit (a microbatch through one of its chunks), and under the split
+schedules (`config.SPLIT_SCHEDULES`) at most one weight-gradient pass; then every stage hands its
+forward's output to the next stage and its backward's input gradient to the previous one.
 
 Chunk c of stage s is virtual stage v = c·S + s, the pipeline view's [repeats, stages] order; with
 one chunk (`1f1b`) a stage is its own virtual stage. Work unit c·M + j is microbatch j's pass
@@ -66,10 +66,10 @@ class Timetable(NamedTuple):
     received_x: np.ndarray  # slot the activation arriving after this step goes to
     received_g: np.ndarray  # slot the gradient arriving after this step goes to
     loss_g: np.ndarray  # slot for the loss gradient of this step's forward on the last virtual stage
-    weight: np.ndarray  # work unit whose weight gradients are computed (`zero_bubble`), or IDLE
-    forward_r: np.ndarray  # slot the forward's residuals go to (`zero_bubble`)
+    weight: np.ndarray  # work unit whose weight gradients are computed (split schedules), or IDLE
+    forward_r: np.ndarray  # slot the forward's residuals go to (split schedules)
     backward_r: np.ndarray  # slot the backward reads them from
-    backward_w: np.ndarray  # slot the backward's taps go to (`zero_bubble`)
+    backward_w: np.ndarray  # slot the backward's taps go to (split schedules)
     weight_w: np.ndarray  # slot the weight pass reads them from
     x_slots: int
     g_slots: int
@@ -94,7 +94,7 @@ class Timetable(NamedTuple):
 
     @property
     def split(self) -> bool:
-        """Whether the weight gradients are computed apart from the backward (`zero_bubble`)."""
+        """Whether the weight gradients are computed apart from the backward (`SPLIT_SCHEDULES`)."""
         return bool((self.weight != IDLE).any())
 
     def work(self, costs: Costs = UNIT_COSTS) -> np.ndarray:
@@ -129,8 +129,8 @@ def of(schedule: Schedule) -> Timetable:
 
 
 def bubble_of(schedule: Schedule) -> float:
-    """The schedule's bubble: its table's under `zero_bubble` (lockstep ZB-H1 has no closed form),
-    else the stated one (`Schedule.bubble`, which the 1F1B tables equal)."""
+    """The schedule's bubble: its table's under a split schedule (lockstep ZB-H1 has no closed
+    form), else the stated one (`Schedule.bubble`, which the 1F1B tables equal)."""
     return of(schedule).bubble() if schedule.split else schedule.bubble
 
 
@@ -147,6 +147,7 @@ def build(kind: str, stages: int, microbatches: int, chunks: int) -> Timetable:
     forward_order, backward_order = work_order(s_, m, v)
     forwarded, backpropagated = {}, {}  # (virtual stage, microbatch) -> step
     next_f, next_b = [0] * s_, [0] * s_
+    assert kind in TABLE_SCHEDULES, kind
     split = kind in SPLIT_SCHEDULES
     put_off = [[] for _ in range(s_)]  # units whose weight gradients wait, oldest first
     rows, weights = [], []

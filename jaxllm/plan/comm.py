@@ -110,9 +110,9 @@ def communication(cfg: RunConfig, backend: str = "gpu") -> list[Transfer]:
         block = act / schedule.microbatches
         runs = schedule.iterations * layers // (stages * schedule.repeats)
         # each iteration's stage is rebuilt, except that under remat `group` a stage of one group
-        # is rebuilt by that group's own remat
+        # is rebuilt by that group's own remat, and a split backward keeps its forward's residuals
         one_group = layers // (stages * schedule.repeats) == share
-        rebuilt = 0 if m.remat == "group" and one_group else 2
+        rebuilt = 0 if (m.remat == "group" and one_group) or schedule.split else 2
     tp, table = ("tensor",), weights["embed"] * n["tensor"]
     # GPipe's head takes each stage's slice of the sequence; a timetable's, whole microbatches on every stage
     head_split = 1 if timetabled else stages

@@ -36,7 +36,7 @@ def recomputed_flops_per_token(cfg: RunConfig) -> float:
     """Forward FLOPs run again in the backward pass: one forward under every remat policy that
     rebuilds whole layers (none for `none`; the attention core for `selective`, `dots` and
     `offload`), plus one more forward of every stage in a pipeline, which rebuilds each
-    iteration's stage (not `zero_bubble`'s, whose forward keeps what the policy keeps)."""
+    iteration's stage (not a split schedule's, whose forward keeps what the policy keeps)."""
     model, seq = cfg.model, cfg.train.seq_len
     attention_core = attention_flops_per_token(model, seq) / 3
     forward = 2 * (applied_matmul_params(model) + lora_count(model, applied=True)) + attention_core

@@ -144,7 +144,7 @@ def memory(cfg: RunConfig) -> dict[str, float]:
         # time, as GPipe's stage
         slots = timetable.of(schedule)
         edges = (2 * (slots.x_slots + 1) + slots.g_slots + 4) * tokens * residual + tokens * m.hidden * 4
-        if slots.split:  # zero_bubble: held units' residuals (what the remat policy keeps) and put-off
+        if slots.split:  # the split schedules: held units' residuals (what the remat policy keeps) and put-off
             # units' taps, each buffer with its scratch slot and the one the loop writes next step
             edges += ((slots.r_slots + 2) * stash + (slots.w_slots + 2) * taps) * layers * tokens
     else:  # a GPipe loop keeps each iteration's input and output

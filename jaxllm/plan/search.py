@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from jaxllm.config import CHUNKED_SCHEDULES, SPLIT_SCHEDULES, ConfigError, RunConfig, validate
+from jaxllm.config import CHUNKED_SCHEDULES, ConfigError, RunConfig, validate
 from jaxllm.plan.estimate import Estimate, estimate
 from jaxllm.plan.hardware import DEFAULT_EFFICIENCY, Accelerator, Efficiency
 from jaxllm.plan.memory import memory
@@ -61,7 +61,7 @@ def _schedules(stage: int, repeats: int) -> list[str]:
     """The schedules a pipeline of `stage` stages and `repeats` chunks a stage can run."""
     if stage == 1:
         return ["gpipe"]
-    return list(CHUNKED_SCHEDULES) if repeats > 1 else [*CHUNKED_SCHEDULES.values(), *SPLIT_SCHEDULES]
+    return list(CHUNKED_SCHEDULES) if repeats > 1 else list(CHUNKED_SCHEDULES.values())
 
 
 def _divisors(n: int) -> list[int]:

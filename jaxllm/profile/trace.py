@@ -299,7 +299,7 @@ def pipeline_bubble(by_device: Mapping[str, list[Op]], schedule: Schedule, stage
 
 def timetable_bubble(by_device: Mapping[str, list[Op]], steps: int, stage_of: Mapping[str, int],
                      window_us: float) -> tuple[float | None, float | None, list | None]:  # fmt: skip
-    """The measured bubble of a timetable-driven schedule (`1f1b`, `interleaved_1f1b`), its loop's
+    """The measured bubble of a timetable-driven schedule (`config.TABLE_SCHEDULES`), its loop's
     share of the profiled window, and each stage's work in each step (seconds, [steps][stages]).
 
     Its loop is one `lax.scan` of `steps` steps, each ending with two collective-permutes

@@ -275,7 +275,7 @@ def test_fp8_trains_alike_on_every_layout(layout, fp8_single):
 )
 def test_fp8_pipeline_matches_gradient_accumulation(schedule, repeats):
     """amax is per microbatch: a pipeline of M microbatches (data-parallel inside its loop, where
-    the pmax over `data` makes each microbatch's amax whole), GPipe's or 1F1B's timetable, against
+    the pmax over `data` makes each microbatch's amax whole), GPipe's loop or a timetable, against
     grad_accum_steps = M, to fp32 noise (4e-7 here) in every gradient and in two updates that
     follow them."""
     share = 2 // repeats  # a QKV group a chunk

@@ -218,6 +218,7 @@ def test_schedules_compiled_temporaries():
     assert temporaries["circular"] <= 1.2 * temporaries["gpipe"], temporaries
     assert temporaries["1f1b"] <= 0.9 * temporaries["gpipe"], temporaries
     assert temporaries["interleaved_1f1b"] <= 1.2 * temporaries["1f1b"], temporaries
+    assert temporaries["interleaved_1f1b"] < temporaries["interleaved_zero_bubble"] < temporaries["zero_bubble"]
     for split, whole in (("zero_bubble", "1f1b"), ("interleaved_zero_bubble", "interleaved_1f1b")):
         added = temporaries[split] - temporaries[whole]
         assert 0.75 < (planned[split] - planned[whole]) / added < 1.25, (temporaries, planned)
