@@ -5,7 +5,7 @@ accelerators). For the zero-bubble schedules it also prints their cells' measure
 table's bubble at those costs.
 
     python scripts/bench_bubble.py [--steps 3] [--plot docs/img] [--mlp 128] [--remat none]
-        [--schedules 1f1b zero_bubble]
+        [--schedules 1f1b zero_bubble] [--ynnpack]
 
 With `--plot DIR` (the `plot` extra) it also draws each timetable-driven schedule's profiled step,
 stage by stage (`pipeline-measured-<schedule>.svg`), the pictures beside the tables' on the
@@ -17,6 +17,11 @@ loop; the timetable-driven schedules inside it, each stage on its block of the v
 steps where the last stage forwards. On fake CPU devices, 8 share the host's cores. `--mlp` widens
 the feed-forward, whose matmuls' input and weight gradients cost alike, so that they weigh more in
 a stage's work than the attention's backward (no weights in it), as they do at scale.
+
+On CPU it turns off XLA's YNNPACK dot fusions unless `--ynnpack` keeps them: with them, each
+stage's first backward cell in every execution took up to 4.5 times its later ones (one fusion of
+the stage's backward ran for 8.6 ms there and 0.2 ms in the next step), a cost of the CPU runtime
+that lifted 1F1B's measured bubble to as much as 0.41, against 0.29 without them.
 """
 
 from __future__ import annotations
@@ -121,9 +126,12 @@ def main() -> None:
     parser.add_argument("--mlp", type=int, default=128, help="the feed-forward's width (the model's: 64)")
     parser.add_argument("--remat", choices=REMAT_POLICIES, default="none", help="the model's remat policy")
     parser.add_argument("--schedules", nargs="+", choices=[s for s, _ in SCHEDULES], default=[s for s, _ in SCHEDULES])
+    parser.add_argument("--ynnpack", action="store_true", help="keep XLA:CPU's YNNPACK dot fusions on")
     args = parser.parse_args()
+    if not args.ynnpack:  # read when JAX starts its backend, which the first jax.devices() does
+        os.environ["XLA_FLAGS"] += " --xla_cpu_experimental_ynn_fusion_type="
     print(f"{jax.devices()[0].device_kind} × {jax.device_count()}, jax {jax.__version__}; 4 stages, 8 microbatches, "
-          f"mlp {args.mlp}, remat {args.remat}")  # fmt: skip
+          f"mlp {args.mlp}, remat {args.remat}, YNNPACK fusions {'on' if args.ynnpack else 'off'}")  # fmt: skip
     print(f"{'schedule':>23} {'chunks':>6} {'analytic':>9} {'measured':>9} {'step ms':>8}")
     analytic, measured, steps = {}, {}, {}
     for schedule, chunks in SCHEDULES:
