@@ -31,13 +31,15 @@ import os
 import pathlib
 import tempfile
 import time
+import typing
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxllm.config import REMAT_POLICIES, TABLE_SCHEDULES, RunConfig  # noqa: E402
+from jaxllm.config import CHUNKED_SCHEDULES, REMAT_POLICIES, TABLE_SCHEDULES, RunConfig  # noqa: E402
+from jaxllm.config.sections import PipelineSchedule  # noqa: E402
 from jaxllm.parallel import timetable  # noqa: E402
 from jaxllm.parallel.mesh import make_mesh  # noqa: E402
 from jaxllm.profile import StepProfiler  # noqa: E402
@@ -45,10 +47,8 @@ from jaxllm.profile.capture import stages_of  # noqa: E402
 from jaxllm.train.run import build_run  # noqa: E402
 from jaxllm.train.step import compile_train_step, init_state  # noqa: E402
 
-SCHEDULES = (
-    ("gpipe", 1), ("1f1b", 1), ("circular", 2), ("interleaved_1f1b", 2), ("zero_bubble", 1),
-    ("interleaved_zero_bubble", 2),
-)  # fmt: skip
+# Every schedule, its chunks per stage: 2 for those that take several (config.CHUNKED_SCHEDULES).
+SCHEDULES = tuple((kind, 2 if kind in CHUNKED_SCHEDULES else 1) for kind in typing.get_args(PipelineSchedule))
 
 
 def profiled(schedule: str, chunks: int, steps: int, mlp: int, remat: str):

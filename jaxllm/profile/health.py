@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from jaxllm.config import CHUNKED_SCHEDULES, SPLIT_SCHEDULES
+
 # ratio: (lowest, highest) allowed
 BANDS: dict[str, tuple[float, float]] = {
     "memory_peak_fraction": (0.50, 0.90),  # of the device's capacity (bytes_limit); reported by GPUs, not CPU
@@ -20,8 +22,9 @@ _ADVICE = {
     "'none') or fewer parallel.fsdp shards",
     ("comm_share", "high"): "lower it with a smaller parallel.tensor (keep it within a node), parallel.fsdp "
     "instead of tensor, or the layout `python -m jaxllm.plan --search` prefers",
-    ("bubble_measured", "high"): "lower it with more parallel.microbatches, parallel.repeats > 1 (circular), "
-    "fewer parallel.stage, or the layout `python -m jaxllm.plan --search` prefers",
+    ("bubble_measured", "high"): f"lower it with more parallel.microbatches, parallel.repeats > 1 (parallel.schedule "
+    f"{', '.join(CHUNKED_SCHEDULES)}), a split backward ({', '.join(SPLIT_SCHEDULES)}), fewer parallel.stage, or "
+    "the layout `python -m jaxllm.plan --search` prefers",
 }
 
 
