@@ -19,9 +19,8 @@ the feed-forward, whose matmuls' input and weight gradients cost alike, so that 
 a stage's work than the attention's backward (no weights in it), as they do at scale.
 
 On CPU it turns off XLA's YNNPACK dot fusions unless `--ynnpack` keeps them: with them, each
-stage's first backward cell in every execution took up to 4.5 times its later ones (one fusion of
-the stage's backward ran for 8.6 ms there and 0.2 ms in the next step), a cost of the CPU runtime
-that lifted 1F1B's measured bubble to as much as 0.41, against 0.29 without them.
+stage's first backward cell in every execution costs several times its later ones, a cost of the
+CPU runtime that no table counts (docs/pipeline.md, "Measured bubbles", has the figures).
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ from jaxllm.profile.capture import stages_of  # noqa: E402
 from jaxllm.train.run import build_run  # noqa: E402
 from jaxllm.train.step import compile_train_step, init_state  # noqa: E402
 
-# Every schedule, its chunks per stage: 2 for those that take several (config.CHUNKED_SCHEDULES).
+# Every schedule, with 2 chunks per stage where it takes several: the fewest that interleave.
 SCHEDULES = tuple((kind, 2 if kind in CHUNKED_SCHEDULES else 1) for kind in typing.get_args(PipelineSchedule))
 
 
@@ -131,7 +130,8 @@ def main() -> None:
     if not args.ynnpack:  # read when JAX starts its backend, which the first jax.devices() does
         os.environ["XLA_FLAGS"] += " --xla_cpu_experimental_ynn_fusion_type="
     print(f"{jax.devices()[0].device_kind} × {jax.device_count()}, jax {jax.__version__}; 4 stages, 8 microbatches, "
-          f"mlp {args.mlp}, remat {args.remat}, YNNPACK fusions {'on' if args.ynnpack else 'off'}")  # fmt: skip
+          f"mlp {args.mlp}, remat {args.remat}" + (", YNNPACK fusions " + ("on" if args.ynnpack else "off")
+          if jax.default_backend() == "cpu" else ""))  # fmt: skip
     print(f"{'schedule':>23} {'chunks':>6} {'analytic':>9} {'measured':>9} {'step ms':>8}")
     analytic, measured, steps = {}, {}, {}
     for schedule, chunks in SCHEDULES:
