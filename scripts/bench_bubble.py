@@ -30,15 +30,13 @@ import os
 import pathlib
 import tempfile
 import time
-import typing
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxllm.config import CHUNKED_SCHEDULES, REMAT_POLICIES, TABLE_SCHEDULES, RunConfig  # noqa: E402
-from jaxllm.config.sections import PipelineSchedule  # noqa: E402
+from jaxllm.config import CHUNKED_SCHEDULES, PIPELINE_SCHEDULES, REMAT_POLICIES, TABLE_SCHEDULES, RunConfig  # noqa: E402
 from jaxllm.parallel import timetable  # noqa: E402
 from jaxllm.parallel.mesh import make_mesh  # noqa: E402
 from jaxllm.profile import StepProfiler  # noqa: E402
@@ -47,7 +45,7 @@ from jaxllm.train.run import build_run  # noqa: E402
 from jaxllm.train.step import compile_train_step, init_state  # noqa: E402
 
 # Every schedule, with 2 chunks per stage where it takes several: the fewest that interleave.
-SCHEDULES = tuple((kind, 2 if kind in CHUNKED_SCHEDULES else 1) for kind in typing.get_args(PipelineSchedule))
+SCHEDULES = tuple((kind, 2 if kind in CHUNKED_SCHEDULES else 1) for kind in PIPELINE_SCHEDULES)
 
 
 def profiled(schedule: str, chunks: int, steps: int, mlp: int, remat: str):
@@ -129,9 +127,9 @@ def main() -> None:
     args = parser.parse_args()
     if not args.ynnpack:  # read when JAX starts its backend, which the first jax.devices() does
         os.environ["XLA_FLAGS"] += " --xla_cpu_experimental_ynn_fusion_type="
+    ynnpack = f", YNNPACK fusions {'on' if args.ynnpack else 'off'}" if jax.default_backend() == "cpu" else ""
     print(f"{jax.devices()[0].device_kind} × {jax.device_count()}, jax {jax.__version__}; 4 stages, 8 microbatches, "
-          f"mlp {args.mlp}, remat {args.remat}" + (", YNNPACK fusions " + ("on" if args.ynnpack else "off")
-          if jax.default_backend() == "cpu" else ""))  # fmt: skip
+          f"mlp {args.mlp}, remat {args.remat}{ynnpack}")  # fmt: skip
     print(f"{'schedule':>23} {'chunks':>6} {'analytic':>9} {'measured':>9} {'step ms':>8}")
     analytic, measured, steps = {}, {}, {}
     for schedule, chunks in SCHEDULES:

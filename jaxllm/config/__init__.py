@@ -11,13 +11,11 @@ dataclasses' own defaults.
 
 from jaxllm.config.devices import validate, validate_tensor
 from jaxllm.config.files import base_config, load_config
+from jaxllm.config.schedules import CHUNKED_SCHEDULES, PIPELINE_SCHEDULES, SPLIT_SCHEDULES, TABLE_SCHEDULES, Schedule
 from jaxllm.config.section import ConfigError, Section, apply_overrides, field, no_such_field, require
 from jaxllm.config.sections import (
-    CHUNKED_SCHEDULES,
     MESH_AXES,
     REMAT_POLICIES,
-    SPLIT_SCHEDULES,
-    TABLE_SCHEDULES,
     CheckpointConfig,
     DataConfig,
     Fp8Config,
@@ -27,14 +25,13 @@ from jaxllm.config.sections import (
     ParallelConfig,
     RopeScaling,
     RunConfig,
-    Schedule,
     TrainConfig,
     step_range,
 )
 
 __all__ = [
     "CHUNKED_SCHEDULES", "MESH_AXES", "REMAT_POLICIES", "CheckpointConfig", "ConfigError", "DataConfig", "Fp8Config",
-    "InitConfig", "LoraConfig", "ModelConfig", "ParallelConfig", "RopeScaling", "RunConfig", "Schedule", "Section",
-    "SPLIT_SCHEDULES", "TABLE_SCHEDULES", "TrainConfig", "apply_overrides", "base_config", "field", "load_config",
-    "no_such_field", "require", "step_range", "validate", "validate_tensor",
+    "InitConfig", "LoraConfig", "ModelConfig", "PIPELINE_SCHEDULES", "ParallelConfig", "RopeScaling", "RunConfig",
+    "Schedule", "Section", "SPLIT_SCHEDULES", "TABLE_SCHEDULES", "TrainConfig", "apply_overrides", "base_config",
+    "field", "load_config", "no_such_field", "require", "step_range", "validate", "validate_tensor",
 ]  # fmt: skip

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from jaxllm.config.schedules import TABLE_SCHEDULES
 from jaxllm.config.section import require
-from jaxllm.config.sections import TABLE_SCHEDULES, ModelConfig, RunConfig
+from jaxllm.config.sections import ModelConfig, RunConfig
 
 
 def validate_tensor(m: ModelConfig, tensor: int, field_name: str) -> None:

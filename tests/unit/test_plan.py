@@ -6,7 +6,6 @@ import collections
 import dataclasses
 import math
 import re
-import typing
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +15,7 @@ from support.runs import ROOT, small_config
 from test_layouts import LAYOUTS
 
 from jaxllm import plan
-from jaxllm.config import ModelConfig, Schedule, load_config
-from jaxllm.config.sections import PipelineSchedule
+from jaxllm.config import PIPELINE_SCHEDULES, ModelConfig, Schedule, load_config
 from jaxllm.model.cache import KVCache
 from jaxllm.parallel import timetable
 from jaxllm.parallel.mesh import make_mesh
@@ -225,7 +223,7 @@ def test_search_ranks_every_schedule_by_step_time_and_memory():
     best = {}
     for c in fitting:
         best.setdefault(c.layout.schedule if c.layout.stage > 1 else "none", c)
-    assert set(best) == {"none", *typing.get_args(PipelineSchedule)}
+    assert set(best) == {"none", *PIPELINE_SCHEDULES}
     for split, whole in (("zero_bubble", "1f1b"), ("interleaved_zero_bubble", "interleaved_1f1b")):
         assert best[split].estimate.step < best[whole].estimate.step
         twin = next(c for c in fitting if c.layout == dataclasses.replace(best[split].layout, schedule=whole))
