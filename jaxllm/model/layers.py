@@ -249,18 +249,22 @@ def blockwise_paged_attention(
     across blocks. Each step copies one block of pages, never the whole table's, and the work
     follows the longest live row, not the table's width."""
     b, t, nh, d = q.shape
-    page_size = jax.tree.leaves(keys)[0].shape[3]
-    block = math.gcd(table.shape[1], max(1, BLOCK_TOKENS // page_size))  # pages a step reads
+    page_size, width = jax.tree.leaves(keys)[0].shape[3], table.shape[1]
+    block = min(width, max(1, BLOCK_TOKENS // page_size))  # pages a step reads
     span = block * page_size
     kv = jax.tree.leaves(keys)[0].shape[2]
     q = q.reshape(b, t, kv, nh // kv, d)
 
     def step(i, carry):
         top, total, out = carry  # running max and sum of exp(score) [b, kv, g, t]; the weighted values
-        pages = jax.lax.dynamic_slice_in_dim(table, i * block, block, axis=1)
+        # A width that blocks do not divide ends in a block moved back to fit, whose pages the
+        # block before it read are masked out.
+        first = jnp.minimum(i * block, width - block)
+        pages = jax.lax.dynamic_slice_in_dim(table, first, block, axis=1)
         (k, k_scale), (v, v_scale) = (_cached(read(pool, layer, pages), q.dtype) for pool in (keys, values))
         scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32) * k_scale / jnp.sqrt(d)
-        live = i * span + jnp.arange(span) <= positions[:, None, None, :, None]  # [b, 1, 1, t, span]
+        at = first * page_size + jnp.arange(span)
+        live = (at >= i * span) & (at <= positions[:, None, None, :, None])  # [b, 1, 1, t, span]
         scores = jnp.where(live, scores, NEG_INF)
         new_top = jnp.maximum(top, scores.max(-1))
         weights = jnp.exp(scores - new_top[..., None])
@@ -270,7 +274,7 @@ def blockwise_paged_attention(
 
     zeros = (q.astype(jnp.float32) * 0).transpose(0, 2, 3, 1, 4)  # [b, kv, g, t, d]; in a shard_map, varying as q is
     start = (zeros[..., 0] + NEG_INF, zeros[..., 0], zeros)
-    blocks = table.shape[1] // block
+    blocks = -(-width // block)
     if blocks == 1:  # no loop to stop early
         _, total, out = step(0, start)
     else:

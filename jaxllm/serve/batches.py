@@ -13,6 +13,10 @@ import numpy as np
 from jaxllm.serve.pages import SCRATCH_PAGE
 from jaxllm.serve.scheduler import Chunk, Sequence
 
+# The most plain tokens a speculating sequence decodes between two verify steps, backing off
+# after misses (`speculation.spaced_out`): a draft model reads them all back in one step
+# (`steps.decode`), never in the plain steps between.
+LONGEST_BACK_OFF = 32
 PADDING_SAMPLING = (np.float32(0), np.int32(0), np.float32(1), np.uint32(0), np.int32(0))  # greedy
 
 

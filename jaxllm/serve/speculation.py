@@ -7,6 +7,7 @@ verify steps that rejected all they proposed.
 
 from __future__ import annotations
 
+from jaxllm.serve.batches import LONGEST_BACK_OFF
 from jaxllm.serve.scheduler import Sequence, State
 from jaxllm.serve.settings import ServeConfig
 
@@ -31,5 +32,5 @@ def spaced_out(sequence: Sequence, proposed: int, accepted: int) -> None:
     if accepted:
         sequence.misses = 0
     elif proposed:
-        sequence.resume_at = sequence.issued + 2 ** min(sequence.misses, 5)
+        sequence.resume_at = sequence.issued + min(2**sequence.misses, LONGEST_BACK_OFF)
         sequence.misses += 1

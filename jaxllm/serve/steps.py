@@ -9,8 +9,8 @@ it in the same step and keeps those the model would have drawn (`sampling.verify
 one read of the weights for several tokens. The proposals are made on the device in the same
 step, so no step waits for the host: by prompt lookup (`serve.speculative=ngram`, see `lookup`)
 over the tokens every step writes beside the cache's pages, or as a draft model's greedy
-continuations (`serve.speculative=draft`), every step then also writing the draft's keys and
-values of what it feeds, so its cache follows the target's pages.
+continuations (`serve.speculative=draft`), whose keys and values follow the target's pages: a
+prefill writes them, and a verify step's draft reads what the plain steps since its last one fed.
 Both take each row's slot, a row of `Slots`: the token it feeds next and its
 sampling settings stay on the device, so one decode step can be dispatched before the host has
 read the last one's tokens. B, T and the table's width come in a few bucket sizes (`buckets`),
@@ -32,7 +32,7 @@ from jaxllm.model.cache import KVCache
 from jaxllm.model.decoder import Model
 from jaxllm.model.sampling import Sampling, sample, verify
 from jaxllm.serve import lookup
-from jaxllm.serve.batches import DecodeBatch, PrefillBatch
+from jaxllm.serve.batches import LONGEST_BACK_OFF, DecodeBatch, PrefillBatch
 from jaxllm.serve.generation import TOP_LOGPROBS, Tokens
 
 
@@ -51,13 +51,15 @@ def _bare(logits: jax.Array, ids: jax.Array) -> Tokens:
 
 class Slots(NamedTuple):
     """Per slot (and one scratch slot, the last, for padding rows): the token it feeds next, its
-    request's sampling settings, and the draft tokens its verify steps rejected since its prefill
-    (the host counts them only once it reads them; see `decode`); and the token at each position
-    of the cache's pages, where prompt lookup reads a row's context (see `lookup`)."""
+    request's sampling settings, the draft tokens its verify steps rejected since its prefill
+    (the host counts them only once it reads them; see `decode`), and the position up to which a
+    draft model has read its tokens (see `_drafted`); and the token at each position of the
+    cache's pages, where prompt lookup reads a row's context (see `lookup`)."""
 
     last: jax.Array
     sampling: Sampling
     rejected: jax.Array
+    draft_read: jax.Array
     tokens: jax.Array  # [pages, page_size]
 
     @classmethod
@@ -66,7 +68,7 @@ class Slots(NamedTuple):
             return jnp.zeros(slots + 1, dtype)
 
         sampling = Sampling(zeros(jnp.float32), zeros(), jnp.ones(slots + 1), zeros(jnp.uint32), zeros())
-        return cls(zeros(), sampling, zeros(), lookup.empty(pages, page_size))
+        return cls(zeros(), sampling, zeros(), zeros(), lookup.empty(pages, page_size))
 
 
 Pools = tuple  # a KVCache's (keys, values)
@@ -110,8 +112,9 @@ def decode(
     batch = batch._replace(positions=positions, index=batch.index - unread)
     wanted = jnp.sum(batch.drafts >= 0, axis=1)
     last = slots.last[rows]
-    if draft is not None:
-        drafts, draft_pools = _drafted(draft, draft_params, draft_pools, last, batch, vocab_size)
+    if draft is not None and k:
+        read = slots.draft_read[rows]
+        drafts, draft_pools = _drafted(draft, draft_params, draft_pools, slots.tokens, read, last, batch, vocab_size)
     elif k:
         context = lookup.context(slots.tokens, batch.table, last, positions)
         drafts = jnp.where(batch.drafts >= 0, lookup.propose(context, positions + 1, k, *ngram), -1)
@@ -153,6 +156,9 @@ def decode(
         new = out.ids
     tokens_fed = lookup.write(slots.tokens, batch.table, fed_at, fed)
     slots = slots._replace(last=slots.last.at[rows].set(new), tokens=tokens_fed)
+    if draft is not None and k:  # it read the fed token and the proposals it made, of which the target kept `accepted`
+        read = positions + 1 + jnp.minimum(accepted, k - 1)
+        slots = slots._replace(draft_read=slots.draft_read.at[rows].set(jnp.where(positions >= 0, read, -1)))
     recurs = None
     if draft is None and ngram is not None:  # whether the next step's lookup will find something
         at = jnp.where(positions >= 0, positions + 1 + (accepted if k else 0), -1)  # where `new` goes
@@ -186,24 +192,54 @@ def _followed_by_nothing(out: Tokens, k: int) -> Tokens:
     return Tokens(padded(out.ids, -1), *(padded(a, 0) for a in out[1:]))
 
 
-def _drafted(draft: Model, params: dict, pools: Pools, fed: jax.Array, batch: DecodeBatch, vocab_size: int):
+def _drafted(
+    draft: Model,
+    params: dict,
+    pools: Pools,
+    pool: jax.Array,
+    read: jax.Array,
+    fed: jax.Array,
+    batch: DecodeBatch,
+    vocab_size: int,
+):
     """(drafts [B, K], the draft's pools): the draft model's greedy continuation of each row's fed
     token, as many tokens as the row's entries of `batch.drafts` that are not -1 (0 for a row
-    that does not speculate, whose fed token is written all the same). A draft followed by the
-    target is lossless: `verify` keeps a proposed token with the target's probability of it. The
-    last draft token is fed too, so that the draft's cache holds every token the target accepts."""
+    that does not speculate, whose fed token is read all the same). A draft followed by the
+    target is lossless: `verify` keeps a proposed token with the target's probability of it.
+
+    The draft reads only in steps that verify: its cache holds each row's tokens below `read`
+    [B], and its first call reads the tokens from there to the fed one (from `pool`, the tokens
+    at the cache's positions; see `lookup`): none, or a last proposal that the step before kept
+    (the draft reads each proposal as it makes the next, so K calls make K), or the tokens of
+    plain steps since a back-off began, up to `LONGEST_BACK_OFF` (a wider call, only in a step
+    where some row needs it). So plain steps, where no row speculates, cost the draft nothing."""
     wanted = jnp.sum(batch.drafts >= 0, axis=1)
+    live = batch.positions >= 0
+
+    def call(tokens, positions, pools):  # (pools, the proposal after each row's last token)
+        last = jnp.full(tokens.shape[0], tokens.shape[1] - 1)
+        logits, cache = draft.extend(params, tokens, positions, KVCache(*pools, batch.table), last)
+        return (cache.keys, cache.values), jnp.argmax(logits[:, 0, :vocab_size], axis=-1).astype(jnp.int32)
+
+    def catch_up(width, pools):  # reads the `width` - 1 tokens before the fed one where unread, and the fed one
+        at = batch.positions[:, None] + jnp.arange(1 - width, 1)
+        at = jnp.where(live[:, None] & (at >= read[:, None]) & (at >= 0), at, -1)
+        tokens = lookup.context(pool, batch.table, fed, batch.positions)
+        tokens = jnp.take_along_axis(tokens, jnp.maximum(at, 0), axis=1)
+        return call(tokens, at, pools)
+
+    behind = jnp.any(live & (batch.positions - read > 1))
+    pools, first = _either(behind, partial(catch_up, LONGEST_BACK_OFF + 1), partial(catch_up, 2), pools)
 
     def step(carry, j):
         token, pools = carry
-        live = (batch.positions >= 0) & (j <= wanted)
-        positions = jnp.where(live, batch.positions + j, -1)[:, None]
-        logits, cache = draft.extend(params, token[:, None], positions, KVCache(*pools, batch.table))
-        following = jnp.argmax(logits[:, 0, :vocab_size], axis=-1).astype(jnp.int32)
-        return (following, (cache.keys, cache.values)), following
+        positions = jnp.where(live & (j <= wanted), batch.positions + j, -1)[:, None]
+        pools, following = call(token[:, None], positions, pools)
+        return (following, pools), following
 
-    (_, pools), proposed = jax.lax.scan(step, (fed, pools), jnp.arange(batch.drafts.shape[1] + 1))
-    return jnp.where(batch.drafts >= 0, proposed[:-1].T, -1), pools
+    (_, pools), proposed = jax.lax.scan(step, (first, pools), jnp.arange(1, batch.drafts.shape[1]))
+    proposed = jnp.concatenate([first[:, None], proposed.T], axis=1)
+    return jnp.where(batch.drafts >= 0, proposed, -1), pools
 
 
 def _over_positions(tokens, logits: jax.Array, ids: jax.Array) -> Tokens:
@@ -253,6 +289,7 @@ def prefill(
         slots.last.at[rows].set(jnp.where(batch.final, first, slots.last[rows])),
         jax.tree.map(lambda all_slots, row: all_slots.at[rows].set(row), slots.sampling, sampling),
         slots.rejected.at[rows].set(0),
+        slots.draft_read.at[rows].set(batch.starts + lengths),
         lookup.write(slots.tokens, batch.table, positions, tokens),
     )
     return (cache.keys, cache.values), slots, _tokens(last, first, vocab_size), prompt, draft_pools

@@ -315,11 +315,14 @@ def _paged_case(kv_dtype: str, pool_pages: int, width: int, positions: jax.Array
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_blockwise_paged_attention_equals_attention_over_the_gathered_pages(kv_dtype, tokens):
-    """Over 32 pages of 16 (two blocks), rows at different lengths (one padding), one new token
-    or five (a verify step's): the same as `attend` over every page of the table gathered."""
+@pytest.mark.parametrize("width", [32, 23])
+def test_blockwise_paged_attention_equals_attention_over_the_gathered_pages(kv_dtype, tokens, width):
+    """Over a table of 32 pages of 16 (two blocks) or 23 (a width blocks do not divide, as
+    serve.max_len 360 gives: the last block moved back over pages the first read), rows at
+    different lengths (one padding), one new token or five (a verify step's): the same as `attend`
+    over every page of the table gathered."""
     positions = jnp.asarray([[5 + i for i in range(tokens)], [300 + i for i in range(tokens)], [-1] * tokens])
-    q, pools, layer, table, want = _paged_case(kv_dtype, 120, 32, positions)
+    q, pools, layer, table, want = _paged_case(kv_dtype, 120, width, positions)
     got = jax.jit(blockwise_paged_attention)(q, *pools, layer, table, positions)
     np.testing.assert_allclose(got[:2], want[:2], rtol=1e-5, atol=1e-5)
 

@@ -19,6 +19,7 @@ from jaxllm.checkpoint import CheckpointError, write_export
 from jaxllm.config import ConfigError
 from jaxllm.data.tokenizer import get_tokenizer, save_tokenizer, train_bpe
 from jaxllm.model import Model
+from jaxllm.serve.batches import LONGEST_BACK_OFF
 from jaxllm.serve.generation import Request
 from jaxllm.serve.load import load_engine, serving_setup
 from jaxllm.serve.lookup import propose
@@ -216,6 +217,46 @@ def test_a_sequence_steps_on_before_a_verify_step_is_read(trained, engines, prop
         engine.device = calls.runner
     assert all(unread for unread, _, _ in calls.dispatches[1:])
     assert sum(1 for _, unread_verifies, verifies in calls.dispatches if unread_verifies and verifies) >= 3
+
+
+def test_a_draft_model_reads_back_what_plain_steps_decoded_when_it_drafts_again(trained, engines):
+    """A draft model reads nothing in plain steps: where a sequence backs off (forced here, for 5
+    and for the longest back-off's tokens, while another speculates beside it, and then alone),
+    the draft reads those tokens back in the step that drafts again. Drafting with the served
+    model itself, its cache then holds the target's keys and values at every position it has
+    read, and its proposals are all accepted."""
+    engine = engines(**_draft(trained[0]))
+    real, plain_steps, back_offs = engine.device.decode, [], [(8, 5), (40, LONGEST_BACK_OFF)]  # (after, tokens)
+
+    def decode(batch):
+        first = engine.scheduler.running[0]
+        if back_offs and len(first.output) >= back_offs[0][0]:
+            first.resume_at = first.issued + back_offs.pop(0)[1]
+        plain_steps.append(batch.drafts.shape[1] == 0)
+        pages.update(slot=first.slot, pages=list(first.pages))
+        return real(batch)
+
+    prompts = _prompts(trained[2])
+    requests = [Request(prompts[0], 90, temperature=0.0, ignore_eos=True),
+                Request(prompts[1], 24, temperature=0.0, ignore_eos=True)]  # fmt: skip
+    drafted, accepted = engine.draft_tokens, engine.accepted_tokens
+    engine.device.decode, pages = decode, {}
+    try:
+        got = _outputs(engine, requests)
+    finally:
+        engine.device.decode = real
+    read = int(engine.device.slots_state.draft_read[pages["slot"]])  # the first request's, in its last step
+    at = np.arange(read)
+    page, offset = np.asarray(pages["pages"])[at // SERVE["serve.page_size"]], at % SERVE["serve.page_size"]
+    for target, draft in zip(engine.device.pools, engine.device.draft_pools, strict=True):  # [layers, pages, kv, ...]
+        read_back, want = (np.asarray(pool)[:, page, :, offset] for pool in (draft, target))
+        np.testing.assert_allclose(read_back, want, atol=1e-4)
+    assert read > len(requests[0].prompt) + 80
+    _same(_outputs(engines(), requests), got)
+    # A back-off counts from the last token issued, as `speculation.spaced_out`'s does: here a
+    # step or two after the batch in flight.
+    assert sum(plain_steps) >= LONGEST_BACK_OFF - 4 and not back_offs
+    assert engine.accepted_tokens - accepted == engine.draft_tokens - drafted > 0
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "small draft"])
