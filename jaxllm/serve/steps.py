@@ -211,8 +211,9 @@ def _drafted(
     [B], and its first call reads the tokens from there to the fed one (from `pool`, the tokens
     at the cache's positions; see `lookup`): none, or a last proposal that the step before kept
     (the draft reads each proposal as it makes the next, so K calls make K), or the tokens of
-    plain steps since a back-off began, up to `LONGEST_BACK_OFF` (a wider call, only in a step
-    where some row needs it). So plain steps, where no row speculates, cost the draft nothing."""
+    plain steps since a back-off began, up to `LONGEST_BACK_OFF` + K (a back-off counts from the
+    tokens issued, a step in flight's drafts among them; a wider call, only in a step where some
+    row needs it). So plain steps, where no row speculates, cost the draft nothing."""
     wanted = jnp.sum(batch.drafts >= 0, axis=1)
     live = batch.positions >= 0
 
@@ -229,7 +230,8 @@ def _drafted(
         return call(tokens, at, pools)
 
     behind = jnp.any(live & (batch.positions - read > 1))
-    pools, first = _either(behind, partial(catch_up, LONGEST_BACK_OFF + 1), partial(catch_up, 2), pools)
+    wide = LONGEST_BACK_OFF + batch.drafts.shape[1] + 1
+    pools, first = _either(behind, partial(catch_up, wide), partial(catch_up, 2), pools)
 
     def step(carry, j):
         token, pools = carry

@@ -221,12 +221,14 @@ def test_a_sequence_steps_on_before_a_verify_step_is_read(trained, engines, prop
 
 def test_a_draft_model_reads_back_what_plain_steps_decoded_when_it_drafts_again(trained, engines):
     """A draft model reads nothing in plain steps: where a sequence backs off (forced here, for 5
-    and for the longest back-off's tokens, while another speculates beside it, and then alone),
-    the draft reads those tokens back in the step that drafts again. Drafting with the served
+    tokens while another speculates beside it, then alone for as many as the draft reads back at
+    most: the longest back-off and a verify step's drafts, which a step in flight adds), the draft
+    reads those tokens back in the step that drafts again. Drafting with the served
     model itself, its cache then holds the target's keys and values at every position it has
     read, and its proposals are all accepted."""
     engine = engines(**_draft(trained[0]))
-    real, plain_steps, back_offs = engine.device.decode, [], [(8, 5), (40, LONGEST_BACK_OFF)]  # (after, tokens)
+    back_offs = [(8, 5), (40, LONGEST_BACK_OFF + 6)]  # (after this many output tokens, tokens issued)
+    real, plain_steps = engine.device.decode, []
 
     def decode(batch):
         first = engine.scheduler.running[0]
@@ -234,13 +236,16 @@ def test_a_draft_model_reads_back_what_plain_steps_decoded_when_it_drafts_again(
             first.resume_at = first.issued + back_offs.pop(0)[1]
         plain_steps.append(batch.drafts.shape[1] == 0)
         pages.update(slot=first.slot, pages=list(first.pages))
+        if batch.drafts.shape[1] and first.slot in batch.slots:  # how far behind the draft is, to read back now
+            read = int(engine.device.slots_state.draft_read[first.slot])
+            gaps.append(int(batch.positions[list(batch.slots).index(first.slot)]) - read)
         return real(batch)
 
     prompts = _prompts(trained[2])
     requests = [Request(prompts[0], 90, temperature=0.0, ignore_eos=True),
                 Request(prompts[1], 24, temperature=0.0, ignore_eos=True)]  # fmt: skip
     drafted, accepted = engine.draft_tokens, engine.accepted_tokens
-    engine.device.decode, pages = decode, {}
+    engine.device.decode, pages, gaps = decode, {}, []
     try:
         got = _outputs(engine, requests)
     finally:
@@ -253,9 +258,8 @@ def test_a_draft_model_reads_back_what_plain_steps_decoded_when_it_drafts_again(
         np.testing.assert_allclose(read_back, want, atol=1e-4)
     assert read > len(requests[0].prompt) + 80
     _same(_outputs(engines(), requests), got)
-    # A back-off counts from the last token issued, as `speculation.spaced_out`'s does: here a
-    # step or two after the batch in flight.
-    assert sum(plain_steps) >= LONGEST_BACK_OFF - 4 and not back_offs
+    # Issued counts the 3 drafts of the step in flight: the draft falls 32 + 3 tokens behind.
+    assert max(gaps) == LONGEST_BACK_OFF + 3 and sum(plain_steps) > LONGEST_BACK_OFF and not back_offs
     assert engine.accepted_tokens - accepted == engine.draft_tokens - drafted > 0
 
 
