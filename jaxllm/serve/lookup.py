@@ -31,6 +31,12 @@ def write(pool: jax.Array, table: jax.Array, positions: jax.Array, tokens: jax.A
     return pool.at[page, offset].set(tokens)
 
 
+def read(pool: jax.Array, table: jax.Array, positions: jax.Array) -> jax.Array:
+    """The tokens at `positions` [b, t] of the pages `table` [b, P] names (-1: the scratch page's)."""
+    page, offset = locate(table, positions, pool.shape[1])
+    return pool[page, offset]
+
+
 def context(pool: jax.Array, table: jax.Array, last: jax.Array, at: jax.Array) -> jax.Array:
     """Each row's tokens in position order, with `last` [b] (not in the pool yet) at `at` [b]:
     [b, P × page_size + 1], room for a token just past the pages."""

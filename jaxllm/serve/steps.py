@@ -225,8 +225,7 @@ def _drafted(
     def catch_up(width, pools):  # reads the `width` - 1 tokens before the fed one where unread, and the fed one
         at = batch.positions[:, None] + jnp.arange(1 - width, 1)
         at = jnp.where(live[:, None] & (at >= read[:, None]) & (at >= 0), at, -1)
-        tokens = lookup.context(pool, batch.table, fed, batch.positions)
-        tokens = jnp.take_along_axis(tokens, jnp.maximum(at, 0), axis=1)
+        tokens = lookup.read(pool, batch.table, at).at[:, -1].set(fed)  # the fed token is not in the pool yet
         return call(tokens, at, pools)
 
     behind = jnp.any(live & (batch.positions - read > 1))
