@@ -164,9 +164,14 @@ def verify(
     logits, proposed, index = flat
     sampling, mask = every(sampling), None if mask is None else every(mask)
     odds = probability(logits, sampling, jnp.maximum(proposed, 0), vocab_size, mask)
-    keys = jax.vmap(draw_key)(sampling.seed, sampling.choice, index)
-    uniform = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(keys)
-    accept = (proposed >= 0) & (uniform < odds)  # a distinct stream from the residual draw's
+
+    def uniform():  # a distinct stream from the residual draw's
+        keys = jax.vmap(draw_key)(sampling.seed, sampling.choice, index)
+        return jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(keys)
+
+    # A greedy row's odds are 1 or 0, so a uniform of 0 decides it: no draws where no row samples.
+    draws = jax.lax.cond(jnp.any(sampling.temperature > 0), uniform, lambda: jnp.zeros(odds.shape))
+    accept = (proposed >= 0) & (draws < odds)
     residual = sample(logits, sampling, index, vocab_size, mask, exclude=proposed)
     tokens = jnp.where(accept, proposed, residual).reshape(rows, positions)
     accepted = jnp.sum(jnp.cumprod(accept.reshape(rows, positions), axis=1), axis=1)

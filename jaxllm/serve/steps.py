@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.model.cache import KVCache
 from jaxllm.model.decoder import Model
-from jaxllm.model.sampling import Sampling, sample, verify
+from jaxllm.model.sampling import Sampling, first_argmax, sample, verify
 from jaxllm.serve import lookup
 from jaxllm.serve.batches import LONGEST_BACK_OFF, DecodeBatch, PrefillBatch
 from jaxllm.serve.generation import TOP_LOGPROBS, Tokens
@@ -163,7 +163,8 @@ def decode(
     if draft is None and ngram is not None:  # whether the next step's lookup will find something
         at = jnp.where(positions >= 0, positions + 1 + (accepted if k else 0), -1)  # where `new` goes
         context = lookup.context(tokens_fed, batch.table, new, at)
-        recurs = lookup.propose(context, at + 1, 1, *ngram)[:, 0] >= 0
+        shortest = ngram[0]  # a longer run that recurs holds a shortest one that does
+        recurs = lookup.propose(context, at + 1, 1, shortest, shortest)[:, 0] >= 0
     return pools, slots, out, draft_pools, recurs
 
 
@@ -220,7 +221,7 @@ def _drafted(
     def call(tokens, positions, pools):  # (pools, the proposal after each row's last token)
         last = jnp.full(tokens.shape[0], tokens.shape[1] - 1)
         logits, cache = draft.extend(params, tokens, positions, KVCache(*pools, batch.table), last)
-        return (cache.keys, cache.values), jnp.argmax(logits[:, 0, :vocab_size], axis=-1).astype(jnp.int32)
+        return (cache.keys, cache.values), first_argmax(logits[:, 0, :vocab_size])
 
     def catch_up(width, pools):  # reads the `width` - 1 tokens before the fed one where unread, and the fed one
         at = batch.positions[:, None] + jnp.arange(1 - width, 1)
