@@ -1,9 +1,10 @@
 """Speculative decoding by prompt lookup (serve.speculative=ngram), or by a draft model
-(`--draft`: serve.speculative=draft), against plain decoding, at one busy sequence, side by side
-in one process, on a trained run (`--workdir`, e.g. the Quickstart's, whose model learnt the
-Python standard library's sources) or, without one, on `bench_serve.py`'s Llama-shaped model
-(random weights, GPT-2 tokenizer), whose decode step is bound by reading its weights as a large
-model's is (its greedy text repeats itself rather than its prompt):
+(`--draft`: serve.speculative=draft), against plain decoding, at one busy sequence (four with
+`--together`), side by side in one process, on a trained run (`--workdir`, e.g. the
+Quickstart's, whose model learnt the Python standard library's sources) or, without one, on
+`bench_serve.py`'s Llama-shaped model (random weights, GPT-2 tokenizer), whose decode step is
+bound by reading its weights as a large model's is (its greedy text repeats itself rather than
+its prompt):
 
 1. code continuation: the opening of standard-library modules, continued greedily;
 2. summarisation-style: a passage of the library's documentation, then "In short," and a
@@ -20,8 +21,11 @@ executables are the speculating runs' own, where two engines of the same compile
 step at paces 10 % or more apart on this machine. (A draft model's engine runs the draft in its
 plain steps too, so only the plain engine is its baseline.)
 
+With `--together` a kind's four requests decode at once, four busy sequences whose verify steps
+and back-offs fall in each other's steps.
+
     python scripts/bench_speculative.py [--workdir runs/tiny [--draft runs/tiny-draft]] [--new 128] [--repeats 3]
-        [--draft-tokens 8] [--ngram 2 4]
+        [--draft-tokens 8] [--ngram 2 4] [--together]
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ def main() -> None:
     parser.add_argument("--draft-tokens", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ngram", type=int, nargs=2, metavar=("MIN", "MAX"), help="serve.ngram_min and ngram_max")
+    parser.add_argument("--together", action="store_true", help="a kind's requests at once, not one at a time")
     args = parser.parse_args()
 
     import jax
@@ -106,16 +111,17 @@ def main() -> None:
     own_plain = None if args.draft else dataclasses.replace(speculating, speculative="off")
     ngram = f"ngram {speculative.settings.ngram_min}..{speculative.settings.ngram_max}"
     how = f"draft model {args.draft}" if args.draft else ngram
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {args.new} new tokens a request, one request at "
-          f"a time; {how}, {args.draft_tokens} draft tokens")  # fmt: skip
+    at_once = "all of a kind's requests at once" if args.together else "one request at a time"
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {args.new} new tokens a request, {at_once}; "
+          f"{how}, {args.draft_tokens} draft tokens")  # fmt: skip
     for kind, prompts in prompt_sets(speculative.tokenizer, args.prompt_tokens).items():
         requests = [Request(p, args.new, temperature=t, seed=i, ignore_eos=True) for i, (p, t) in enumerate(prompts)]
 
         def run(engine, settings=None, requests=requests) -> float:
             engine.settings = settings or engine.settings
             start = time.perf_counter()
-            for r in requests:
-                engine.generate([r])
+            for batch in [requests] if args.together else [[r] for r in requests]:
+                engine.generate(batch)
             return time.perf_counter() - start
 
         before = speculative.drafts, speculative.draft_tokens, speculative.accepted_tokens
