@@ -228,8 +228,9 @@ class Engine:
         return len(plan.decode)
 
     def _plan(self) -> Plan:
+        decoding = sum(s.state is State.DECODE for s in self.scheduler.running)
         for sequence in self.scheduler.running:
-            propose(sequence, self.settings)
+            propose(sequence, self.settings, decoding)
         plan = self.scheduler.plan()
         self._queued = len({s.generation for s in self.scheduler.waiting if s.issued == 0 and s.choice == 0})
         return plan

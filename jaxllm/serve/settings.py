@@ -47,6 +47,10 @@ class ServeConfig(Section):
     draft_model: str | None = field(None, "the draft model of serve.speculative=draft: a run, an export or a Hugging "
                                           "Face Llama directory with the served model's tokenizer")  # fmt: skip
     draft_tokens: int = field(8, "tokens proposed a step with serve.speculative (fewer than serve.max_len)")
+    speculative_max_batch: int = field(0, "speculate only while at most this many sequences decode (0: at any "
+                                          "number), as vLLM's disable_by_batch_size: a verify step feeds each row of "
+                                          "its batch the drafts' width, which a compute-bound device (a CPU) pays for "
+                                          "row by row")  # fmt: skip
     ngram_max: int = field(4, f"the longest run of last tokens 'ngram' looks up (at most {NGRAM_LONGEST})")
     ngram_min: int = field(2, "and the shortest: shorter runs recur by chance and propose tokens that are rejected")
     tensor: int = field(-1, "devices for tensor parallelism (-1: as many local ones as split the heads evenly)")
@@ -89,6 +93,8 @@ class ServeConfig(Section):
         for name in ("request_timeout_s", "body_timeout_s"):
             require(getattr(self, name) > 0, f"serve.{name}={getattr(self, name)} must be above 0 (seconds)")
         require(self.draft_tokens >= 1, f"serve.draft_tokens={self.draft_tokens} must be at least 1")
+        limit = self.speculative_max_batch
+        require(limit >= 0, f"serve.speculative_max_batch={limit} must be at least 0 (0: speculate at any batch)")
         require(
             (self.speculative == "draft") == bool(self.draft_model),
             f"serve.speculative={self.speculative!r} with serve.draft_model={self.draft_model!r}: a draft model is "

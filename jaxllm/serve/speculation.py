@@ -12,15 +12,17 @@ from jaxllm.serve.scheduler import Sequence, State
 from jaxllm.serve.settings import ServeConfig
 
 
-def propose(sequence: Sequence, settings: ServeConfig) -> None:
+def propose(sequence: Sequence, settings: ServeConfig, decoding: int) -> None:
     """Sets `sequence.drafts`, how many it wants the device to propose now (none if it does not
-    speculate now), never past its max_tokens. It never waits for a step's tokens: the device
+    speculate now, or if more than serve.speculative_max_batch of the engine's sequences, here
+    `decoding`, decode), never past its max_tokens. It never waits for a step's tokens: the device
     proposes from the last token it drew, and moves a step back by the drafts that the steps
     before it rejected (`steps.decode`). Whether prompt lookup finds something is known a step
     late (the step after the one read is on its way), which costs little: a repeating passage
     goes on repeating, and a verify step that finds nothing runs as a plain step."""
     room = min(settings.draft_tokens, sequence.generation.request.max_tokens - sequence.issued - 1)
     now = sequence.state is State.DECODE and sequence.recurs and sequence.issued >= sequence.resume_at
+    now &= not settings.speculative_max_batch or decoding <= settings.speculative_max_batch
     sequence.drafts = max(room, 0) if sequence.speculates and now else 0
 
 

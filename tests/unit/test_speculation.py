@@ -284,6 +284,30 @@ def test_preempted_speculating_sequences_resume_with_their_output(trained, engin
         _same([together[r]], _outputs(speculative, [requests[r]]))
 
 
+def test_a_server_speculates_only_while_few_enough_sequences_decode(trained, engines):
+    """With serve.speculative_max_batch 1, two requests that decode together take plain steps
+    only, where each alone would verify drafts; once the shorter ends, the other speculates, and
+    the greedy outputs are plain decoding's."""
+    engine = engines(**NGRAM, **{"serve.speculative_max_batch": 1})
+    real, steps = engine.device.decode, []
+
+    def decode(batch):
+        steps.append((int((batch.positions >= 0).sum()), batch.drafts.shape[1] > 0))  # (sequences, verifies)
+        return real(batch)
+
+    prompts = _prompts(trained[2])
+    requests = [Request(prompts[0], 48, temperature=0.0, ignore_eos=True),
+                Request(prompts[1], 16, temperature=0.0, ignore_eos=True)]  # fmt: skip
+    engine.device.decode = decode
+    try:
+        got = _outputs(engine, requests)
+    finally:
+        engine.device.decode = real
+    _same(_outputs(engines(), requests), got)
+    together = [verifies for sequences, verifies in steps if sequences > 1]
+    assert len(together) >= 8 and not any(together) and any(verifies for _, verifies in steps)
+
+
 def test_a_sampled_request_speculates_the_same_alone_or_among_others(trained, engines):
     tokenizer = trained[2]
     speculative = engines(**NGRAM)
@@ -359,6 +383,8 @@ def test_bad_speculation_settings_are_refused(trained, tmp_path):
         ServeConfig(ngram_max=17)
     with pytest.raises(ConfigError, match="draft_tokens"):
         ServeConfig(draft_tokens=0)
+    with pytest.raises(ConfigError, match="serve.speculative_max_batch=-1 must be at least 0"):
+        ServeConfig(speculative_max_batch=-1)
     unpaired = ({"speculative": "draft"}, {"speculative": "draft", "draft_model": ""}, {"draft_model": "runs/small"},
                 {"speculative": "ngram", "draft_model": "x"})  # fmt: skip
     for settings in unpaired:
