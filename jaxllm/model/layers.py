@@ -198,6 +198,9 @@ def attention(
     return project(ctx, (with_dropout(o_proj, dropout, "o_proj"),), "bthd,hde->bte")[0]
 
 
+KERNEL_SPLITS, KERNEL_BLOCK_PAGES = 16, 8  # the Pallas paged kernel's defaults: partitions, and pages a block
+
+
 def paged_decode_attention(
     q: jax.Array,
     keys: Entries,
@@ -211,15 +214,22 @@ def paged_decode_attention(
     the pools (see `cache`) by JAX's Pallas paged-attention kernel, which reads each row's live
     pages only. The kernel wants [kv heads, pages, page, d]; a pool page holds every kv head side
     by side, so each kv head runs alone over the pool seen as [1, layers × pages × kv heads, page,
-    d]. A GPU kernel: `interpret` runs it in the Pallas interpreter (any backend)."""
+    d]. A GPU kernel: `interpret` runs it in the Pallas interpreter (any backend).
+
+    The kernel reads a table in `KERNEL_SPLITS` partitions at once, each in blocks of whole
+    pages, all of equal size: a width they do not divide (the widest bucket's, `serve.max_len`'s
+    pages) is padded to one they do, with pages past every row's length, which it never reads,
+    where a gcd of the width would fall to one partition of single pages."""
     layers, pages, kv_heads, page_size, d = jax.tree.leaves(keys)[0].shape
     b, _, heads, _ = q.shape
-    split = math.gcd(table.shape[1], 16)
+    unit = KERNEL_SPLITS * (KERNEL_BLOCK_PAGES if table.shape[1] > KERNEL_SPLITS * KERNEL_BLOCK_PAGES else 1)
+    table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % unit)))
+    partition = table.shape[1] // KERNEL_SPLITS
     flat = partial(jax.tree.map, lambda p: p.reshape(1, layers * pages * kv_heads, page_size, *p.shape[4:]))
     (k, k_scale), (v, v_scale) = (_kernel_pages(flat(e)) for e in (keys, values))
     kernel = partial(
         paged_attention, k_pages=k, v_pages=v, lengths=positions[:, 0] + 1, k_scales_pages=k_scale,
-        v_scales_pages=v_scale, k_splits=split, pages_per_compute_block=math.gcd(table.shape[1] // split, 8),
+        v_scales_pages=v_scale, k_splits=KERNEL_SPLITS, pages_per_compute_block=math.gcd(partition, KERNEL_BLOCK_PAGES),
         interpret=interpret,
     )  # fmt: skip
 
