@@ -9,7 +9,6 @@ fused two run on GPUs; config validation says which shapes each takes.
 
 from __future__ import annotations
 
-import math
 from functools import partial
 from typing import NamedTuple
 
@@ -217,19 +216,20 @@ def paged_decode_attention(
     d]. A GPU kernel: `interpret` runs it in the Pallas interpreter (any backend).
 
     The kernel reads a table in `KERNEL_SPLITS` partitions at once, each in blocks of whole
-    pages, all of equal size: a width they do not divide (the widest bucket's, `serve.max_len`'s
-    pages) is padded to one they do, with pages past every row's length, which it never reads,
-    where a gcd of the width would fall to one partition of single pages."""
+    pages, all of equal size: the table is padded (with pages past every row's length, masked as
+    any there) to a width of partitions of whole blocks, up to `KERNEL_BLOCK_PAGES` pages each,
+    where a gcd of the width falls to one partition of single pages for a width with no factor of
+    2 (`serve.max_len`'s widest bucket often has one)."""
     layers, pages, kv_heads, page_size, d = jax.tree.leaves(keys)[0].shape
     b, _, heads, _ = q.shape
-    unit = KERNEL_SPLITS * (KERNEL_BLOCK_PAGES if table.shape[1] > KERNEL_SPLITS * KERNEL_BLOCK_PAGES else 1)
-    table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % unit)))
-    partition = table.shape[1] // KERNEL_SPLITS
+    partition = -(-table.shape[1] // KERNEL_SPLITS)  # pages, before rounding up to whole blocks
+    block = min(KERNEL_BLOCK_PAGES, 1 << (partition - 1).bit_length())  # a power of two: it divides the partition
+    table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % (KERNEL_SPLITS * block))))
     flat = partial(jax.tree.map, lambda p: p.reshape(1, layers * pages * kv_heads, page_size, *p.shape[4:]))
     (k, k_scale), (v, v_scale) = (_kernel_pages(flat(e)) for e in (keys, values))
     kernel = partial(
         paged_attention, k_pages=k, v_pages=v, lengths=positions[:, 0] + 1, k_scales_pages=k_scale,
-        v_scales_pages=v_scale, k_splits=KERNEL_SPLITS, pages_per_compute_block=math.gcd(partition, KERNEL_BLOCK_PAGES),
+        v_scales_pages=v_scale, k_splits=KERNEL_SPLITS, pages_per_compute_block=block,
         interpret=interpret,
     )  # fmt: skip
 

@@ -13,10 +13,6 @@ import numpy as np
 from jaxllm.serve.pages import SCRATCH_PAGE
 from jaxllm.serve.scheduler import Chunk, Sequence
 
-# The longest back-off of a speculating sequence after misses, in tokens issued
-# (`speculation.spaced_out`): a draft model reads the plain steps' tokens back in one step when
-# the sequence drafts again (`steps.decode`), never in the plain steps between.
-LONGEST_BACK_OFF = 32
 PADDING_SAMPLING = (np.float32(0), np.int32(0), np.float32(1), np.uint32(0), np.int32(0))  # greedy
 
 

@@ -15,6 +15,10 @@ ServeDtype = Literal["float32", "bfloat16", "float16"]
 KvDtype = Literal["float32", "bfloat16", "float16", "int8"]
 DEFAULT_MAX_LEN = 8192  # a slot's length unless set: a 128k-context model would give each slot gigabytes
 NGRAM_LONGEST = 16  # prompt lookup compares the context once for each length up to this in every step
+# The longest back-off of a speculating sequence after misses, in tokens issued
+# (`speculation.spaced_out`): a draft model reads the plain steps' tokens back in one step when
+# the sequence drafts again (`steps.decode`), never in the plain steps between.
+LONGEST_BACK_OFF = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,10 +51,10 @@ class ServeConfig(Section):
     draft_model: str | None = field(None, "the draft model of serve.speculative=draft: a run, an export or a Hugging "
                                           "Face Llama directory with the served model's tokenizer")  # fmt: skip
     draft_tokens: int = field(8, "tokens proposed a step with serve.speculative (fewer than serve.max_len)")
-    speculative_max_batch: int = field(0, "speculate only while at most this many sequences decode (0: at any "
-                                          "number), as vLLM's disable_by_batch_size: a verify step feeds each row of "
-                                          "its batch the drafts' width, which a compute-bound device (a CPU) pays for "
-                                          "row by row")  # fmt: skip
+    speculative_max_batch: int = field(0, "prompt lookup only while at most this many sequences decode (0: at any "
+                                          "number), like vLLM's disable_by_batch_size: a verify step feeds each row "
+                                          "of its batch the drafts' width, which a compute-bound device (a CPU) pays "
+                                          "for row by row")  # fmt: skip
     ngram_max: int = field(4, f"the longest run of last tokens 'ngram' looks up (at most {NGRAM_LONGEST})")
     ngram_min: int = field(2, "and the shortest: shorter runs recur by chance and propose tokens that are rejected")
     tensor: int = field(-1, "devices for tensor parallelism (-1: as many local ones as split the heads evenly)")
@@ -95,6 +99,12 @@ class ServeConfig(Section):
         require(self.draft_tokens >= 1, f"serve.draft_tokens={self.draft_tokens} must be at least 1")
         limit = self.speculative_max_batch
         require(limit >= 0, f"serve.speculative_max_batch={limit} must be at least 0 (0: speculate at any batch)")
+        require(
+            not limit or self.speculative != "draft",
+            f"serve.speculative_max_batch={limit} holds prompt lookup back, not a draft model: a draft reads the "
+            f"tokens decoded without it back only up to its longest back-off ({LONGEST_BACK_OFF} tokens), where a "
+            "busy batch could hold it back for longer; leave it 0 with serve.speculative=draft",
+        )
         require(
             (self.speculative == "draft") == bool(self.draft_model),
             f"serve.speculative={self.speculative!r} with serve.draft_model={self.draft_model!r}: a draft model is "

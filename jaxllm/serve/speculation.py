@@ -7,9 +7,8 @@ verify steps that rejected all they proposed.
 
 from __future__ import annotations
 
-from jaxllm.serve.batches import LONGEST_BACK_OFF
 from jaxllm.serve.scheduler import Sequence, State
-from jaxllm.serve.settings import ServeConfig
+from jaxllm.serve.settings import LONGEST_BACK_OFF, ServeConfig
 
 
 def propose(sequence: Sequence, settings: ServeConfig, decoding: int) -> None:

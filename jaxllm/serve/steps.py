@@ -32,8 +32,9 @@ from jaxllm.model.cache import KVCache
 from jaxllm.model.decoder import Model
 from jaxllm.model.sampling import Sampling, first_argmax, sample, verify
 from jaxllm.serve import lookup
-from jaxllm.serve.batches import LONGEST_BACK_OFF, DecodeBatch, PrefillBatch
+from jaxllm.serve.batches import DecodeBatch, PrefillBatch
 from jaxllm.serve.generation import TOP_LOGPROBS, Tokens
+from jaxllm.serve.settings import LONGEST_BACK_OFF
 
 
 def _tokens(logits: jax.Array, ids: jax.Array, vocab_size: int) -> Tokens:

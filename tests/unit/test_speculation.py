@@ -19,12 +19,11 @@ from jaxllm.checkpoint import CheckpointError, write_export
 from jaxllm.config import ConfigError
 from jaxllm.data.tokenizer import get_tokenizer, save_tokenizer, train_bpe
 from jaxllm.model import Model
-from jaxllm.serve.batches import LONGEST_BACK_OFF
 from jaxllm.serve.generation import Request
 from jaxllm.serve.load import load_engine, serving_setup
 from jaxllm.serve.lookup import propose
 from jaxllm.serve.scheduler import State
-from jaxllm.serve.settings import ServeConfig
+from jaxllm.serve.settings import LONGEST_BACK_OFF, ServeConfig
 
 # Pages of 4 tokens: drafts often cross into a page. Every test shares these settings, so that the
 # engines the module builds (each compiles every step) serve several tests.
@@ -385,6 +384,8 @@ def test_bad_speculation_settings_are_refused(trained, tmp_path):
         ServeConfig(draft_tokens=0)
     with pytest.raises(ConfigError, match="serve.speculative_max_batch=-1 must be at least 0"):
         ServeConfig(speculative_max_batch=-1)
+    with pytest.raises(ConfigError, match="speculative_max_batch=2 holds prompt lookup back, not a draft model"):
+        ServeConfig(speculative="draft", draft_model="runs/small", speculative_max_batch=2)
     unpaired = ({"speculative": "draft"}, {"speculative": "draft", "draft_model": ""}, {"draft_model": "runs/small"},
                 {"speculative": "ngram", "draft_model": "x"})  # fmt: skip
     for settings in unpaired:
