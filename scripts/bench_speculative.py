@@ -22,10 +22,11 @@ step at paces 10 % or more apart on this machine. (A draft model's engine runs t
 plain steps too, so only the plain engine is its baseline.)
 
 With `--together` a kind's four requests decode at once, four busy sequences whose verify steps
-and back-offs fall in each other's steps.
+and back-offs fall in each other's steps; `--max-batch N` sets serve.speculative_max_batch (prompt
+lookup only while at most N sequences decode).
 
     python scripts/bench_speculative.py [--workdir runs/tiny [--draft runs/tiny-draft]] [--new 128] [--repeats 3]
-        [--draft-tokens 8] [--ngram 2 4] [--together]
+        [--draft-tokens 8] [--ngram 2 4] [--together [--max-batch 2]]
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ngram", type=int, nargs=2, metavar=("MIN", "MAX"), help="serve.ngram_min and ngram_max")
     parser.add_argument("--together", action="store_true", help="a kind's requests at once, not one at a time")
+    parser.add_argument("--max-batch", type=int, default=0, help="serve.speculative_max_batch (prompt lookup)")
     args = parser.parse_args()
 
     import jax
@@ -84,7 +86,7 @@ def main() -> None:
     from jaxllm.train.step import init_params
 
     settings = {"slots": 4, "max_len": args.prompt_tokens + args.new + 8}
-    speculation = {"speculative": "ngram", "draft_tokens": args.draft_tokens}
+    speculation = {"speculative": "ngram", "draft_tokens": args.draft_tokens, "speculative_max_batch": args.max_batch}
     if args.ngram:
         speculation.update(ngram_min=args.ngram[0], ngram_max=args.ngram[1])
     if args.draft:
