@@ -1,11 +1,11 @@
 """Each pipeline schedule's measured bubble (the profiler's, as `train.profile_steps` logs it)
-beside its analytic bubble and its step time, at 4 stages × 8 microbatches (2 chunks for the
-chunked schedules), data 2, on the 8 devices JAX sees (fake CPU devices unless there are 8
+beside its analytic bubble and its step time, at 4 stages × 8 microbatches (`--microbatches`; 2
+chunks for the chunked schedules), data 2, on the 8 devices JAX sees (fake CPU devices unless there are 8
 accelerators). For the zero-bubble schedules it also prints their cells' measured costs and the
 table's bubble at those costs.
 
     python scripts/bench_bubble.py [--steps 3] [--plot docs/img] [--mlp 128] [--remat none]
-        [--schedules 1f1b zero_bubble] [--ynnpack]
+        [--schedules 1f1b zero_bubble] [--microbatches 8] [--ynnpack]
 
 With `--plot DIR` (the `plot` extra) it also draws each timetable-driven schedule's profiled step,
 stage by stage (`pipeline-measured-<schedule>.svg`), the pictures beside the tables' on the
@@ -48,18 +48,18 @@ from jaxllm.train.step import compile_train_step, init_state  # noqa: E402
 SCHEDULES = tuple((kind, 2 if kind in CHUNKED_SCHEDULES else 1) for kind in PIPELINE_SCHEDULES)
 
 
-def profiled(schedule: str, chunks: int, steps: int, mlp: int, remat: str):
+def profiled(schedule: str, chunks: int, steps: int, mlp: int, remat: str, microbatches: int):
     """(the profiler's summary of `steps` train steps after one that compiles, the run's schedule,
     the median time of as many steps after them, unprofiled)."""
     cfg = RunConfig().updated(
         model=dict(num_layers=8, hidden=64, num_heads=8, mlp=mlp, vocab_size=257, max_seq_len=64, qkv_share_every=1,
                    remat=remat, dtype="float32"),
-        parallel=dict(data=2, stage=4, microbatches=8, repeats=chunks, schedule=schedule),
+        parallel=dict(data=2, stage=4, microbatches=microbatches, repeats=chunks, schedule=schedule),
         data=dict(bpe_vocab_size=256),
-        train=dict(batch_size=16, seq_len=64),
+        train=dict(batch_size=2 * microbatches, seq_len=64),
     )  # fmt: skip
     mesh = make_mesh(cfg.parallel)
-    tokens = np.random.default_rng(0).integers(0, 257, (16, 65)).astype(np.int32)
+    tokens = np.random.default_rng(0).integers(0, 257, (2 * microbatches, 65)).astype(np.int32)
     with jax.set_mesh(mesh), tempfile.TemporaryDirectory() as logdir:
         run = build_run(cfg, mesh)
         state, step = init_state(run), compile_train_step(run)
@@ -123,19 +123,22 @@ def main() -> None:
     parser.add_argument("--mlp", type=int, default=128, help="the feed-forward's width (the model's: 64)")
     parser.add_argument("--remat", choices=REMAT_POLICIES, default="none", help="the model's remat policy")
     parser.add_argument("--schedules", nargs="+", choices=[s for s, _ in SCHEDULES], default=[s for s, _ in SCHEDULES])
+    parser.add_argument("--microbatches", type=int, default=8, help="microbatches a step (a row each per data replica)")
     parser.add_argument("--ynnpack", action="store_true", help="keep XLA:CPU's YNNPACK dot fusions on")
     args = parser.parse_args()
     if not args.ynnpack:  # read when JAX starts its backend, which the first jax.devices() does
         os.environ["XLA_FLAGS"] += " --xla_cpu_experimental_ynn_fusion_type="
     ynnpack = f", YNNPACK fusions {'on' if args.ynnpack else 'off'}" if jax.default_backend() == "cpu" else ""
-    print(f"{jax.devices()[0].device_kind} × {jax.device_count()}, jax {jax.__version__}; 4 stages, 8 microbatches, "
-          f"mlp {args.mlp}, remat {args.remat}{ynnpack}")  # fmt: skip
+    print(f"{jax.devices()[0].device_kind} × {jax.device_count()}, jax {jax.__version__}; 4 stages, "
+          f"{args.microbatches} microbatches, mlp {args.mlp}, remat {args.remat}{ynnpack}")  # fmt: skip
     print(f"{'schedule':>23} {'chunks':>6} {'analytic':>9} {'measured':>9} {'step ms':>8}")
     analytic, measured, steps = {}, {}, {}
     for schedule, chunks in SCHEDULES:
         if schedule not in args.schedules:
             continue
-        summary, run_schedule, steps[schedule] = profiled(schedule, chunks, args.steps, args.mlp, args.remat)
+        summary, run_schedule, steps[schedule] = profiled(
+            schedule, chunks, args.steps, args.mlp, args.remat, args.microbatches
+        )
         analytic[schedule], measured[schedule] = timetable.bubble_of(run_schedule), summary.bubble
         print(f"{schedule:>23} {chunks:>6} {analytic[schedule]:>9.3f} {measured[schedule]:>9.3f} "
               f"{steps[schedule] * 1e3:>8.1f}")  # fmt: skip
