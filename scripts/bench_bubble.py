@@ -1,15 +1,15 @@
 """Each pipeline schedule's measured bubble (the profiler's, as `train.profile_steps` logs it)
-beside its analytic bubble and its step time, at 4 stages × 8 microbatches (`--microbatches`; 2
-chunks for the chunked schedules), data 2, on the 8 devices JAX sees (fake CPU devices unless there are 8
-accelerators). For the zero-bubble schedules it also prints their cells' measured costs and the
-table's bubble at those costs.
+beside its analytic bubble and its step time, at 4 stages × 8 microbatches (`--microbatches` M,
+a batch of 2M rows; 2 chunks for the chunked schedules), data 2, on the 8 devices JAX sees (fake
+CPU devices unless there are 8 accelerators). For the zero-bubble schedules it also prints their
+cells' measured costs and the table's bubble at those costs.
 
     python scripts/bench_bubble.py [--steps 3] [--plot docs/img] [--mlp 128] [--remat none]
         [--schedules 1f1b zero_bubble] [--microbatches 8] [--ynnpack]
 
 With `--plot DIR` (the `plot` extra) it also draws each timetable-driven schedule's profiled step,
 stage by stage (`pipeline-measured-<schedule>.svg`), the pictures beside the tables' on the
-pipeline page.
+pipeline page, which are of 8 microbatches.
 
 The model is tiny (8 layers of width 64): a stage's work is a few matmuls, and the head and the
 loss cost about as much as a stage's forward of two layers. GPipe and circular run them after the
