@@ -250,51 +250,47 @@ def _pipeline_loops(ops: list[Op], n: int) -> Iterator[tuple[tuple, bool, list[f
 
 def pipeline_bubble(by_device: Mapping[str, list[Op]], schedule: Schedule, stage_of: Mapping[str, int],
                     window_us: float) -> tuple[float | None, float | None]:  # fmt: skip
-    """The measured bubble: the share of the pipeline's time in which a stage's device does not run
-    its stage's work on a real microbatch, averaged over devices; and the pipeline loops' share of
-    the step.
+    """The measured bubble of GPipe or circular, by the formula `timetable_bubble` applies to a
+    timetable's steps; and the pipeline loops' share of the step.
 
     The pipeline is a `lax.scan` of n = `repeats·microbatches + stages − 1` iterations (its
     gradient is a second one), each ending with the `ppermute` that shifts activations to the next
     stage. In one execution of the step, a collective-permute op that runs a multiple of n times is
     a pipeline shift; each n consecutive runs of it are one loop, whose iteration i lasts from the
-    end of shift i − 1 to the end of shift i. Iteration 0 starts when the last device has entered
-    the loop (at the start of the `while` op that holds it: XLA's CPU backend ends a while's event
-    before its body's, so only its start is used): a device that enters earlier waits for the
-    others at the first shift, which is their skew, not the schedule's. Each iteration's MEASURED
-    duration thus includes its compute and its wait for the neighbour. The permute ops of one
-    execution alternate forward, backward, in the order they first run. For a device of stage s:
+    end of shift i − 1 to the end of shift i (iteration 0 from the start of the `while` op that
+    holds it: XLA's CPU backend ends a while's event before its body's, so only its start is
+    used). The permute ops of one execution alternate forward, backward, in the order they first
+    run. A stage's work w[i, s] in iteration i is its compute there, the least over its devices
+    and the profiled executions (fake CPU devices that share a few cores wait for them). Every
+    stage waits at a shift for the busiest, and computes in every iteration of an SPMD scan, on
+    zeros where it holds no microbatch (`empty_iterations`), so
 
-        bubble = (time of the iterations in which s holds no microbatch (see `empty_iterations`)
-                  + idle time (no op running) within its other iterations) / time of the loops
+        bubble = 1 − Σ_{s holds a microbatch in i} w[i, s] / (S · Σ_i max_s w[i, s])
 
-    Every stage of an SPMD scan computes in every iteration (on zeros where it has no microbatch),
-    so the bubble is wasted compute rather than idle time: on evenly costly iterations it equals
-    the analytic (stages − 1)/n, and departs from it as iterations' measured times differ."""
+    which on evenly costly iterations is the analytic (stages − 1)/n."""
     stages, repeats, micro = schedule.stages, schedule.repeats, schedule.microbatches
     n = repeats * micro + stages - 1
-    loops = {device: list(_pipeline_loops(ops, n)) for device, ops in by_device.items() if device in stage_of}
-    entered = collections.defaultdict(lambda: -math.inf)  # loop key -> when its last device entered
-    for device_loops in loops.values():
-        for key, _, cuts in device_loops:
-            entered[key] = max(entered[key], cuts[0])
-    fractions, shares = [], []
-    for device, device_loops in loops.items():
-        leaves = [o for o in by_device[device] if not o.container]
-        wasted = total = 0.0
-        for key, backward, cuts in device_loops:
-            cuts = [min(entered[key], cuts[1]), *cuts[1:]]
-            empty = empty_iterations(stage_of[device], schedule, backward)
+    work = collections.defaultdict(list)  # (backward, microstep, iteration, stage) -> samples
+    shares = []
+    for device, ops in by_device.items():
+        if device not in stage_of:
+            continue
+        leaves = [o for o in ops if not o.container]
+        total = 0.0
+        for key, backward, cuts in _pipeline_loops(ops, n):
             for i in range(n):
-                a, b = cuts[i], cuts[i + 1]
-                wasted += (b - a) if i in empty else partition(leaves, a, b)["idle"]
+                part = partition(leaves, cuts[i], cuts[i + 1])
+                work[backward, key[2], i, stage_of[device]].append(sum(part[k] for k in COMPUTE))
             total += cuts[-1] - cuts[0]
         if total > 0:
-            fractions.append(wasted / total)
             shares.append(total / window_us)
-    if not fractions:
+    iterations = {k[:3] for k in work}
+    if not shares or len(work) != stages * len(iterations):
         return None, None
-    return sum(fractions) / len(fractions), sum(shares) / len(shares)
+    w = {k: min(samples) for k, samples in work.items()}
+    held = sum(t for (backward, _, i, s), t in w.items() if i not in empty_iterations(s, schedule, backward))
+    lockstep = sum(max(w[(*it, s)] for s in range(stages)) for it in iterations)
+    return 1 - held / (stages * lockstep), sum(shares) / len(shares)
 
 
 def timetable_bubble(by_device: Mapping[str, list[Op]], steps: int, stage_of: Mapping[str, int],
