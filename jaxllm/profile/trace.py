@@ -270,7 +270,7 @@ def pipeline_bubble(by_device: Mapping[str, list[Op]], schedule: Schedule, stage
     which on evenly costly iterations is the analytic (stages − 1)/n."""
     stages, repeats, micro = schedule.stages, schedule.repeats, schedule.microbatches
     n = repeats * micro + stages - 1
-    work = collections.defaultdict(list)  # (backward, microstep, iteration, stage) -> samples
+    work = collections.defaultdict(list)  # (backward, loop's first run of its shift, iteration, stage) -> samples
     shares = []
     for device, ops in by_device.items():
         if device not in stage_of:

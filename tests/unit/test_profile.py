@@ -128,31 +128,45 @@ def test_the_pipelines_measured_bubble_is_close_to_its_analytic_bubble(pipeline)
 
 
 @pytest.mark.parametrize("kind, repeats", [("gpipe", 1), ("circular", 2)])
-def test_the_bubble_of_a_trace_with_even_iterations_is_the_analytic_bubble(kind, repeats):
+def test_the_bubble_of_a_gpipe_trace_is_the_lockstep_bubble_of_its_iterations(kind, repeats):
     """A trace of S = 4, M = 8: two accumulation microsteps, each a forward loop and a backward
     loop in `while`s of their own, then work outside them; every stage computes in every iteration
-    (on zeros where it holds no microbatch), a forward iteration costing 1 and a backward one 2,
-    two devices a stage, one of them slowed 3× (a thread waiting for a core), and each iteration
-    ends with its shift once the busiest stage is done. The measured bubble is (S − 1)/n, exactly."""
+    (on zeros where it holds no microbatch), at a cost that differs by stage and iteration, two
+    devices a stage, one of them slowed 3× (a thread waiting for a core), and a second execution
+    all 2× slower; each iteration ends with its shift once the busiest stage is done. The measured
+    bubble is 1 − (the work of stages that hold a microbatch) / (S · Σ each iteration's busiest
+    stage), computed here from the costs and which iterations hold a microbatch (stage s holds
+    forward iterations s to s + repeats·M − 1, and the backward loop runs them in reverse); with
+    even costs that is (S − 1)/n."""
     n = repeats * 8 + 3
     stage_of = {str(d): d % 4 for d in range(8)}
-    ops = []
-    for device in stage_of:
-        slow = 3 if device == "5" else 1
-        t = 0.0
-        for _ in range(2):
-            for shift, cost in (("ppermute.1", 1), ("ppermute.2", 2)):
-                ops.append(Op(device, "while.1", t, t + n * (3 * cost + 0.5), "other", "r"))
-                for _ in range(n):
-                    ops.append(Op(device, "fusion.1", t, t + slow * cost, "other", "r"))
-                    t += 3 * cost
-                    ops.append(Op(device, shift, t, t + 0.5, "collective-permute", "r"))
-                    t += 0.5
-            ops.append(Op(device, "fusion.9", t, t + 50, "other", "r"))  # the optimizer, say
-            t += 60
-    summary = summarize(ops, 1, schedule=Schedule(4, repeats, 8, kind), stage_of=stage_of)
-    assert summary.bubble == pytest.approx(3 / n, rel=1e-9)
-    assert summary.pipeline_share == pytest.approx(2 * n * 10 / (t - 10))  # the window ends with the last op
+
+    def cost(stage, i, backward):
+        return (1 + stage) * (1 + i / n) * (2 if backward else 1)
+
+    ops, held, lockstep = [], 0.0, 0.0
+    for backward in (False, True):
+        for i in range(n):
+            k = n - 1 - i if backward else i
+            held += sum(cost(s, i, backward) for s in range(4) if s <= k < s + repeats * 8)
+            lockstep += max(cost(s, i, backward) for s in range(4))
+    for run, slower in (("r", 1), ("r2", 2)):
+        for device, stage in stage_of.items():
+            slow = slower * (3 if device == "5" else 1)
+            t = 1e5 * (run == "r2")
+            for _ in range(2):
+                for backward, shift in ((False, "ppermute.1"), (True, "ppermute.2")):
+                    ops.append(Op(device, "while.1", t, t + 1, "other", run))
+                    for i in range(n):
+                        ops.append(Op(device, "fusion.1", t, t + slow * cost(stage, i, backward), "other", run))
+                        t += 6 * max(cost(s, i, backward) for s in range(4)) * 2
+                        ops.append(Op(device, shift, t, t + 0.5, "collective-permute", run))
+                        t += 0.5
+                ops.append(Op(device, "fusion.9", t, t + 50, "other", run))  # the optimizer, say
+                t += 60
+    summary = summarize(ops, 2, schedule=Schedule(4, repeats, 8, kind), stage_of=stage_of)
+    assert summary.bubble == pytest.approx(1 - held / (4 * lockstep), rel=1e-9)
+    assert 0 < summary.pipeline_share < 1
 
 
 @pytest.fixture(scope="module")
