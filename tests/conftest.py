@@ -2,6 +2,7 @@
 excess precision, bf16 rounds where the program says: two layouts' bf16 results then differ by
 their arithmetic, not by which ops the CPU compiler happened to fuse in fp32."""
 
+import gc
 import os
 
 from support.xla_flags import xla_flags
@@ -37,6 +38,17 @@ def pytest_collection_modifyitems(items):
         return marker.args[0] if marker else 0
 
     items.sort(key=minutes, reverse=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_executables():
+    """After each test file, the programs it compiled are let go. XLA:CPU maps each executable's
+    code in some 150 memory regions, and a worker that kept every file's would pass the kernel's
+    limit on a process's mappings (vm.max_map_count, 65,530 by default): XLA's loader then crashes
+    the process at its next compile or compilation-cache read."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture
