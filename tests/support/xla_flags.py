@@ -4,8 +4,15 @@ compiles them about twice as fast (docs/testing.md has the figures) and changes 
 their last bits, the same way in every program the suite compares. What users run, default flags,
 is what the 120B dry run and the docs' own commands compile with."""
 
-QUICK_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
-# XLA's defaults for what QUICK_COMPILE changes, as `compiler_options` for a program whose expected
+# The last: one object file a program, not XLA:CPU's split for parallel codegen, which a machine
+# of few cores gains little from, while each object's code takes memory mappings of its own, which
+# a worker holding many programs can run out of (tests/conftest.py). It changes no result.
+QUICK_COMPILE = (
+    "--xla_backend_optimization_level=0",
+    "--xla_cpu_use_fusion_emitters=false",
+    "--xla_cpu_parallel_codegen_split_count=1",
+)
+# XLA's defaults for what QUICK_COMPILE changes in results, as `compiler_options` for a program whose expected
 # values are the exact bits users' processes compute (tests/unit/test_modules.py's frozen values),
 # or one that runs far longer than it compiles (tests/unit/test_int8.py's 150 training steps).
 DEFAULT_COMPILE = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
