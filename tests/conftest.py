@@ -42,10 +42,10 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="module", autouse=True)
 def release_executables():
-    """After each test file, the programs it compiled are let go. XLA:CPU maps each executable's
-    code in some 150 memory regions, and a worker that kept every file's would pass the kernel's
-    limit on a process's mappings (vm.max_map_count, 65,530 by default): XLA's loader then crashes
-    the process at its next compile or compilation-cache read."""
+    """After each test file, the programs JAX's caches hold are let go. XLA:CPU maps each
+    executable's code in many memory regions, and a worker that kept every file's would pass the
+    kernel's limit on a process's mappings (vm.max_map_count, 65,530 by default): XLA's loader then
+    crashes the process at its next compile or compilation-cache read (docs/testing.md)."""
     yield
     jax.clear_caches()
     gc.collect()
