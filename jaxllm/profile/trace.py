@@ -287,10 +287,21 @@ def pipeline_bubble(by_device: Mapping[str, list[Op]], schedule: Schedule, stage
     iterations = {k[:3] for k in work}
     if not shares or len(work) != stages * len(iterations):
         return None, None
-    w = {k: min(samples) for k, samples in work.items()}
-    held = sum(t for (backward, _, i, s), t in w.items() if i not in empty_iterations(s, schedule, backward))
-    lockstep = sum(max(w[(*it, s)] for s in range(stages)) for it in iterations)
-    return 1 - held / (stages * lockstep), sum(shares) / len(shares)
+
+    def held(key: tuple) -> bool:
+        backward, _, i, stage = key
+        return i not in empty_iterations(stage, schedule, backward)
+
+    return _lockstep_bubble(work, stages, held), sum(shares) / len(shares)
+
+
+def _lockstep_bubble(work: Mapping[tuple, list[float]], stages: int, useful=lambda key: True) -> float:
+    """`1 − Σ useful w / (S · Σ_steps max_s w)` for `work` samples keyed (*step, stage), w a
+    cell's least sample: every stage waits at a step's shifts for the busiest."""
+    w = {key: min(samples) for key, samples in work.items()}
+    steps = {key[:-1] for key in w}
+    lockstep = sum(max(w[(*step, s)] for s in range(stages)) for step in steps)
+    return 1 - sum(t for key, t in w.items() if useful(key)) / (stages * lockstep)
 
 
 def timetable_bubble(by_device: Mapping[str, list[Op]], steps: int, stage_of: Mapping[str, int],
@@ -345,5 +356,4 @@ def timetable_bubble(by_device: Mapping[str, list[Op]], steps: int, stage_of: Ma
     if not shares or len(work) != steps * stages:
         return None, None, None
     w = [[min(work[i, s]) * 1e-6 for s in range(stages)] for i in range(steps)]
-    bubble = 1 - sum(map(sum, w)) / (stages * sum(map(max, w)))
-    return bubble, sum(shares) / len(shares), w
+    return _lockstep_bubble(work, stages), sum(shares) / len(shares), w
