@@ -24,6 +24,7 @@ from jaxllm.serve.constraints import mask_words
 from jaxllm.serve.engine import Engine
 from jaxllm.serve.generation import Limits
 from jaxllm.serve.guards import PerplexityAlarm
+from jaxllm.serve.mappings import MappingBudget
 from jaxllm.serve.runner import Progress, Runner, no_progress
 from jaxllm.serve.settings import ServeConfig, Serving, served_model, serving_config
 
@@ -95,11 +96,11 @@ def start_engine(
     if serving.draft is not None:
         _, draft_params, draft_step = load_params(s.draft_model, mesh, s.dtype, quantize=serving.draft.quantize)
         log.info(f"serve: drafting with step {draft_step} of {pathlib.Path(s.draft_model).absolute()}")
-    started = time.perf_counter()
-    engine = build_engine(params, serving, tokenizer, mesh, progress, draft_params)
+    started, budget = time.perf_counter(), MappingBudget(progress)  # XLA:CPU's programs against the kernel's limit
+    engine = build_engine(params, serving, tokenizer, mesh, budget, draft_params)
     steps = len(engine.device.decode_steps) + len(engine.device.prefill_steps)
     log.info(f"serve: {steps} steps ready in {time.perf_counter() - started:.1f} s, {engine.device.steps_cached} of "
-             "them read from the compilation cache")  # fmt: skip
+             f"them read from the compilation cache{budget.summary()}")  # fmt: skip
     return engine
 
 

@@ -97,13 +97,17 @@ def served(tmp_path_factory):
 
 def _check_start_up(statuses, log: str, cached: bool) -> None:
     """While it starts, /health says so with the steps compiled so far, counting up to all of
-    them; the log gives the start-up time, and how many steps the compilation cache held."""
+    them; the log gives the start-up time, how many steps the compilation cache held, and the
+    memory mappings the process holds of the kernel's limit."""
     starting = [body for status, _, body in statuses if status == 503]
     assert starting and all(body["status"] == "starting" for body in starting)
     compiled = [body["compiled"] for body in starting]
     assert compiled == sorted(compiled) and all(body["compiled"] <= body["steps"] for body in starting)
     steps, read = map(int, re.search(r"serve: (\d+) steps ready in [\d.]+ s, (\d+) of them read from", log).groups())
     assert steps > 10 and read == (steps if cached else 0), log
+    held, limit = (int(n.replace(",", "")) for n in re.search(
+        r"the process holds ([\d,]+) memory mappings of the ([\d,]+) the kernel allows", log).groups())  # fmt: skip
+    assert 10 * steps < held < limit, log  # each XLA:CPU program maps its code in several regions
     assert re.search(r"ready at http://127\.0\.0\.1:\d+/v1 in [\d.]+ s", log)
 
 
