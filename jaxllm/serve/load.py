@@ -96,7 +96,8 @@ def start_engine(
     if serving.draft is not None:
         _, draft_params, draft_step = load_params(s.draft_model, mesh, s.dtype, quantize=serving.draft.quantize)
         log.info(f"serve: drafting with step {draft_step} of {pathlib.Path(s.draft_model).absolute()}")
-    started, budget = time.perf_counter(), MappingBudget(progress)  # XLA:CPU's programs against the kernel's limit
+    budget = MappingBudget(progress)  # XLA:CPU's programs against the kernel's limit on mappings
+    started = time.perf_counter()
     engine = build_engine(params, serving, tokenizer, mesh, budget, draft_params)
     steps = len(engine.device.decode_steps) + len(engine.device.prefill_steps)
     log.info(f"serve: {steps} steps ready in {time.perf_counter() - started:.1f} s, {engine.device.steps_cached} of "
