@@ -46,7 +46,10 @@ def stop_strings(most: int):
     return Annotated[strings | None, BeforeValidator(_listed, json_schema_input_type=Stop | strings | None)]
 
 
-# Each field, and whether a value of it changes nothing (then it passes).
+# vLLM's older constraints, each with its field of `structured_outputs`.
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+# Fields this server cannot honour (OpenAI's, and vLLM's sampling extensions), each with the values
+# that ask for nothing: a request giving another is refused, not answered as if it had not asked.
 UNSUPPORTED = {
     "logit_bias": lambda v: v in (None, {}),
     "presence_penalty": lambda v: v in (None, 0),
@@ -58,6 +61,16 @@ UNSUPPORTED = {
     "function_call": lambda v: v in (None, "none"),
     "audio": lambda v: v is None,
     "modalities": lambda v: v in (None, ["text"]),
+    "min_p": lambda v: v in (None, 0),
+    "min_tokens": lambda v: v in (None, 0),
+    "stop_token_ids": lambda v: v in (None, []),
+    "bad_words": lambda v: v in (None, []),
+    "allowed_token_ids": lambda v: v is None,
+    "use_beam_search": lambda v: v in (None, False),
+    "include_stop_str_in_output": lambda v: v in (None, False),
+    "prompt_logprobs": lambda v: v is None,
+    "truncate_prompt_tokens": lambda v: v is None,
+    **dict.fromkeys(GUIDED, lambda v: v is None),
 }
 
 
@@ -69,7 +82,8 @@ def unsupported(body: dict) -> None:
         except TypeError:  # an unhashable value where a scalar was expected
             ok = False
         if not ok:
-            raise RequestError(f"{field} is not supported by this server; leave it out", "unsupported_field", field)
+            fix = f"give structured_outputs.{GUIDED[field]} instead" if field in GUIDED else "leave it out"
+            raise RequestError(f"{field} is not supported by this server; {fix}", "unsupported_field", field)
 
 
 class StreamOptions(BaseModel):

@@ -365,6 +365,11 @@ GUARDS = [
      "invalid_schema", "invalid_grammar"),
     ("best_of", "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "best_of": 3}, KEY, 422, "^best_of",
      "unsupported_field", "unsupported_field"),
+    ("min_p", "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "min_p": 0.1}, KEY, 422,
+     "^min_p is not supported by this server; leave it out", "unsupported_field", "unsupported_field"),
+    ("guided_json", "POST", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+     "guided_json": {"type": "object"}}, KEY, 422, "^guided_json is not supported .*structured_outputs.json instead",
+     "unsupported_field", "unsupported_field"),
     ("unknown role", "POST", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "robot",
      "content": "x"}]}, KEY, 422, "^messages.0.role", "invalid_value", "invalid"),
     ("image", "POST", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": [
@@ -397,6 +402,16 @@ def test_guard_answers_with_its_status_message_and_metric(served, guard):
     before = client.metrics().get(f"jaxllm_rejections_total[{reason}]", 0)
     _error(*_send(served, guard)[:2], status, pattern, code)
     assert client.metrics()[f"jaxllm_rejections_total[{reason}]"] == before + 1
+
+
+def test_fields_it_cannot_honour_pass_where_their_values_ask_for_nothing(served):
+    """vLLM's and OpenAI's clients may send them at their defaults."""
+    defaults = {"min_p": 0, "min_tokens": 0, "stop_token_ids": [], "use_beam_search": False, "guided_json": None,
+                "presence_penalty": 0, "repetition_penalty": 1, "best_of": 1, "logit_bias": {}}  # fmt: skip
+    status, body, _ = served["client"].request(
+        "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2, **defaults}, key=KEY
+    )
+    assert status == 200 and body["usage"]["completion_tokens"] == 2, body
 
 
 def test_rate_limit_answers_429_with_retry_after(served):
