@@ -1,5 +1,5 @@
 """Next-token sampling for a batch of slots, each with its own settings: greedy, temperature,
-top-k, top-p and seed; and the verification of proposed tokens (speculative decoding).
+top-k, top-p, min-p and seed; and the verification of proposed tokens (speculative decoding).
 
 A draw's key is `fold_in(seed, choice, token_index)`: a pure function of the request (its seed,
 which of its `n` choices, which token of the output), never of the slot or the step, so a request
@@ -29,16 +29,19 @@ class Sampling(NamedTuple):
     temperature: jax.Array  # 0: greedy
     top_k: jax.Array  # 0: no limit
     top_p: jax.Array  # 1: no limit
+    min_p: jax.Array  # 0: no limit
     seed: jax.Array
     choice: jax.Array  # which of a request's n choices the slot produces
 
     @classmethod
-    def one(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, choice: int = 0):
+    def one(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, choice: int = 0,
+            min_p: float = 0.0):  # fmt: skip
         """Settings for a single slot (host arrays: out-of-range values raise here, on the host)."""
         return cls(
             np.array([temperature], np.float32),
             np.array([top_k], np.int32),
             np.array([top_p], np.float32),
+            np.array([min_p], np.float32),
             np.array([seed], np.uint32),
             np.array([choice], np.int32),
         )
@@ -48,16 +51,18 @@ def draw_key(seed: jax.Array, choice: jax.Array, token_index: jax.Array) -> jax.
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), choice), token_index)
 
 
-def allowed(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """[vocab] bool: the top-k tokens (all if k = 0), cut to the fewest whose probability adds up
-    to at least p. Ties at the cut are all kept."""
-    ordered = jnp.sort(logits)[::-1]
+def allowed(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """[vocab] bool: the tokens at least min-p times as likely as the likeliest, then the top-k of
+    them (all if k = 0), cut to the fewest whose probability adds up to at least p (vLLM's order).
+    Ties at the cut are all kept."""
+    floor = jnp.where(min_p > 0, jnp.max(logits) + jnp.log(jnp.maximum(min_p, 1e-30)), -jnp.inf)
+    ordered = jnp.sort(jnp.where(logits >= floor, logits, -jnp.inf))[::-1]
     kth = jnp.where(top_k > 0, ordered[jnp.clip(top_k - 1, 0, logits.shape[-1] - 1)], -jnp.inf)
     ordered = jnp.where(ordered >= kth, ordered, -jnp.inf)
     probs = jax.nn.softmax(ordered)
     before = jnp.cumsum(probs) - probs  # probability of the tokens ranked above each one
     last = jnp.where(top_p < 1, jnp.sum(before < top_p) - 1, logits.shape[-1] - 1)  # the last one needed
-    return logits >= jnp.maximum(kth, ordered[last])
+    return (logits >= floor) & (logits >= jnp.maximum(kth, ordered[last]))
 
 
 def first_argmax(logits: jax.Array) -> jax.Array:
@@ -83,17 +88,17 @@ def _allowed_logits(logits: jax.Array, vocab_size: int, mask: jax.Array | None) 
     return jnp.where(keep, logits.astype(jnp.float32), -jnp.inf)
 
 
-def _scaled(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, cut: bool) -> jax.Array:
-    """One row's logits as a sampled row draws from them: tempered, and (with `cut`) top-k/p cut."""
+def _scaled(logits: jax.Array, temperature, top_k, top_p, min_p, cut: bool) -> jax.Array:
+    """One row's logits as a sampled row draws from them: tempered, and (with `cut`) min-p/top-k/p cut."""
     scaled = logits / jnp.maximum(temperature, 1e-6)
-    return jnp.where(allowed(scaled, top_k, top_p), scaled, -jnp.inf) if cut else scaled
+    return jnp.where(allowed(scaled, top_k, top_p, min_p), scaled, -jnp.inf) if cut else scaled
 
 
 def _by_need(sampling: Sampling, greedy: Callable, sampled: Callable) -> jax.Array:
     """`greedy()` when no row samples, else `sampled(cut)`, `cut` whether some sampled row cuts
     top-k/p: work no row needs (the draw, the sort) is skipped."""
     rows = sampling.temperature > 0
-    cuts = jnp.any(rows & ((sampling.top_k > 0) | (sampling.top_p < 1)))
+    cuts = jnp.any(rows & ((sampling.top_k > 0) | (sampling.top_p < 1) | (sampling.min_p > 0)))
     which = jnp.where(jnp.any(rows), 1 + cuts.astype(jnp.int32), 0)
     return jax.lax.switch(which, [greedy, lambda: sampled(False), lambda: sampled(True)])
 
@@ -116,8 +121,8 @@ def sample(
     greedy = first_argmax(jnp.where(kept, logits, -jnp.inf))
 
     def draw(cut: bool):
-        def one(logits, kept, temperature, top_k, top_p, seed, choice, index):
-            scaled = jnp.where(kept, _scaled(logits, temperature, top_k, top_p, cut), -jnp.inf)
+        def one(logits, kept, temperature, top_k, top_p, min_p, seed, choice, index):
+            scaled = jnp.where(kept, _scaled(logits, temperature, top_k, top_p, min_p, cut), -jnp.inf)
             return jax.random.categorical(draw_key(seed, choice, index), scaled).astype(jnp.int32)
 
         return jnp.where(sampling.temperature > 0, jax.vmap(one)(logits, kept, *sampling, token_index), greedy)
@@ -134,10 +139,10 @@ def probability(
     greedy = (first_argmax(logits) == tokens).astype(jnp.float32)
 
     def sampled(cut: bool):
-        def one(logits, temperature, top_k, top_p, token):
-            return jax.nn.softmax(_scaled(logits, temperature, top_k, top_p, cut))[token]
+        def one(logits, temperature, top_k, top_p, min_p, token):
+            return jax.nn.softmax(_scaled(logits, temperature, top_k, top_p, min_p, cut))[token]
 
-        return jnp.where(sampling.temperature > 0, jax.vmap(one)(logits, *sampling[:3], tokens), greedy)
+        return jnp.where(sampling.temperature > 0, jax.vmap(one)(logits, *sampling[:4], tokens), greedy)
 
     return _by_need(sampling, lambda: greedy, sampled)
 

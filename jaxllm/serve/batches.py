@@ -13,7 +13,7 @@ import numpy as np
 from jaxllm.serve.pages import SCRATCH_PAGE
 from jaxllm.serve.scheduler import Chunk, Sequence
 
-PADDING_SAMPLING = (np.float32(0), np.int32(0), np.float32(1), np.uint32(0), np.int32(0))  # greedy
+PADDING_SAMPLING = (np.float32(0), np.int32(0), np.float32(1), np.float32(0), np.uint32(0), np.int32(0))  # greedy
 
 
 class RowSampling(NamedTuple):
@@ -22,6 +22,7 @@ class RowSampling(NamedTuple):
     temperature: np.ndarray  # 0: greedy
     top_k: np.ndarray  # 0: no limit
     top_p: np.ndarray
+    min_p: np.ndarray
     seed: np.ndarray
     choice: np.ndarray  # which of its request's n choices a row draws for
 
@@ -62,8 +63,8 @@ class PrefillRow:
     @classmethod
     def of(cls, chunk: Chunk, allowed: np.ndarray | None) -> PrefillRow:
         s, request = chunk.sequence, chunk.sequence.generation.request
-        settings = (request.temperature, request.top_k, request.top_p, s.generation.seed, s.choice)
-        dtypes = (np.float32, np.int32, np.float32, np.uint32, np.int32)
+        settings = (request.temperature, request.top_k, request.top_p, request.min_p, s.generation.seed, s.choice)
+        dtypes = (np.float32, np.int32, np.float32, np.float32, np.uint32, np.int32)
         return cls(chunk, tuple(np.array(v, d) for v, d in zip(settings, dtypes, strict=True)), allowed)
 
 

@@ -88,6 +88,7 @@ class Request:
     ignore_eos: bool = False
     logprobs: int | None = None  # report each token's log-prob and this many alternatives (≤ 20)
     constraint: Constraint | None = None  # the output must match this grammar (see `constraints`)
+    min_p: float = 0.0  # 0: no limit; else only tokens at least min_p times as likely as the likeliest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +148,7 @@ class Limits:
             param="top_k",
         )
         require(0 < r.top_p <= 1, f"top_p={r.top_p} must be in (0, 1]", param="top_p")
+        require(0 <= r.min_p <= 1, f"min_p={r.min_p} must be in [0, 1]", param="min_p")
         require(r.seed is None or 0 <= r.seed < SEEDS, f"seed={r.seed} must be in [0, 2**32)", param="seed")
         require(
             len(r.stop) <= self.stops,

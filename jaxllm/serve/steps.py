@@ -68,7 +68,8 @@ class Slots(NamedTuple):
         def zeros(dtype=jnp.int32):  # separate buffers, so the state can be donated
             return jnp.zeros(slots + 1, dtype)
 
-        sampling = Sampling(zeros(jnp.float32), zeros(), jnp.ones(slots + 1), zeros(jnp.uint32), zeros())
+        sampling = Sampling(zeros(jnp.float32), zeros(), jnp.ones(slots + 1), zeros(jnp.float32), zeros(jnp.uint32),
+                            zeros())  # fmt: skip
         return cls(zeros(), sampling, zeros(), zeros(), lookup.empty(pages, page_size))
 
 

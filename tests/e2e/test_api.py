@@ -132,6 +132,19 @@ def greedy(sdk, prompt, n=16, **kwargs):
     return sdk.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0, **kwargs)
 
 
+def test_min_p_of_one_samples_the_greedy_text(served):
+    """vLLM's min_p, through each slot's settings on the device: at 1 only the likeliest token is
+    left at every step, so a hot sampled request writes greedy decoding's text; at 0 it does not."""
+    sdk, hot = served["sdk"], dict(temperature=1.5, max_tokens=24, extra_body={"ignore_eos": True})
+    want = greedy(sdk, PROMPT, 24, extra_body={"ignore_eos": True}).choices[0].text
+    for seed in (1, 2):
+        cut = sdk.completions.create(model="tiny", prompt=PROMPT, seed=seed, **{**hot, "extra_body": {
+            "ignore_eos": True, "min_p": 1.0}})  # fmt: skip
+        assert cut.choices[0].text == want
+    free = [sdk.completions.create(model="tiny", prompt=PROMPT, seed=seed, **hot).choices[0].text for seed in (1, 2)]
+    assert want not in free
+
+
 def test_greedy_text_and_logprobs_equal_a_full_recompute(served, reference):
     """The echoed prompt's and each generated token's log-prob and top 5 equal the recompute's."""
     tokenizer = served["tokenizer"]
@@ -365,8 +378,8 @@ GUARDS = [
      "invalid_schema", "invalid_grammar"),
     ("best_of", "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "best_of": 3}, KEY, 422, "^best_of",
      "unsupported_field", "unsupported_field"),
-    ("min_p", "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "min_p": 0.1}, KEY, 422,
-     "^min_p is not supported by this server; leave it out", "unsupported_field", "unsupported_field"),
+    ("min_tokens", "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "min_tokens": 4}, KEY, 422,
+     "^min_tokens is not supported by this server; leave it out", "unsupported_field", "unsupported_field"),
     ("guided_json", "POST", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
      "guided_json": {"type": "object"}}, KEY, 422, "^guided_json is not supported .*structured_outputs.json instead",
      "unsupported_field", "unsupported_field"),
@@ -521,7 +534,8 @@ def test_a_chunked_body_over_the_limit_is_a_413(served):
 BOUNDS = [
     ("n", SLOTS, SLOTS + 1, {}), ("top_k", 512, 513, {}), ("max_tokens", MAX_LEN - 1, MAX_LEN, {"prompt": [5]}),
     ("logprobs", 5, 6, {}), ("seed", 2**32 - 1, 2**32, {}), ("temperature", 2, 2.001, {}),
-    ("top_p", 1, 1.001, {}), ("top_p", 1e-9, 0, {}), ("stop", ["a"] * 4, ["a"] * 5, {}),
+    ("top_p", 1, 1.001, {}), ("top_p", 1e-9, 0, {}), ("min_p", 1, 1.001, {}), ("min_p", 0, -0.001, {}),
+    ("stop", ["a"] * 4, ["a"] * 5, {}),
     ("prompt", [511], [512], {}), ("prompt", ["x"] * SLOTS, ["x"] * (SLOTS + 1), {}),
     ("prompt", [7] * MAX_PROMPT, [7] * (MAX_PROMPT + 1), {"max_tokens": 1}),
     ("top_logprobs", 20, 21, {"logprobs": True}), ("max_completion_tokens", MAX_LEN - 1, MAX_LEN, {}),

@@ -1,4 +1,4 @@
-"""Sampling against numpy: greedy, temperature, top-k and top-p supports and frequencies, and
+"""Sampling against numpy: greedy, temperature, top-k, top-p and min-p supports and frequencies, and
 temperature with top-k and top-p together; a draw depends on its request only, never on its slot
 or neighbours; padded ids are never drawn. Verification of proposed tokens against the exact
 distribution of sampling token by token."""
@@ -26,18 +26,23 @@ def _draws(logits, vocab_size=VOCAB, **settings) -> np.ndarray:
     return np.asarray(sample(logits, batch, jnp.arange(DRAWS), vocab_size))
 
 
-def _support(probs: np.ndarray, top_k: int, top_p: float) -> set[int]:
-    """Written independently: the k most likely, then the fewest of those reaching p."""
-    order = np.argsort(-probs, kind="stable")[: top_k or len(probs)]
+def _support(probs: np.ndarray, top_k: int, top_p: float, min_p: float = 0.0) -> set[int]:
+    """Written independently: those at least min_p times as likely as the likeliest, the k most
+    likely of them, then the fewest of those reaching p."""
+    order = np.argsort(-probs, kind="stable")
+    order = order[probs[order] >= min_p * probs.max()][: top_k or len(probs)]
     kept = probs[order] / probs[order].sum()
     needed = np.searchsorted(np.cumsum(kept), top_p - 1e-9) + 1
     return set(order[:needed].tolist())
 
 
-@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (3, 1.0), (0, 0.7), (4, 0.5), (1, 1.0), (0, 0.3)])
-def test_draws_follow_the_truncated_distribution(top_k, top_p):
-    drawn = _draws(np.log(PROBS), temperature=1.0, top_k=top_k, top_p=top_p)
-    support = _support(PROBS, top_k, top_p)
+# min-p 0.3 keeps the 3 tokens of at least 0.12; top-p 0.8 of those takes 2 (0.4 / 0.8, then 0.65 / 0.8),
+# where top-p 0.8 alone takes 3: min-p cuts first, then top-k and top-p over what is left (vLLM's order).
+@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 1.0, 0), (3, 1.0, 0), (0, 0.7, 0), (4, 0.5, 0), (1, 1.0, 0),
+                                               (0, 0.3, 0), (0, 1.0, 0.3), (0, 0.8, 0.3), (2, 1.0, 0.1)])  # fmt: skip
+def test_draws_follow_the_truncated_distribution(top_k, top_p, min_p):
+    drawn = _draws(np.log(PROBS), temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)
+    support = _support(PROBS, top_k, top_p, min_p)
     assert set(drawn.tolist()) == support
     want = np.where(np.isin(np.arange(VOCAB), list(support)), PROBS, 0)
     np.testing.assert_allclose(np.bincount(drawn, minlength=VOCAB) / DRAWS, want / want.sum(), atol=0.03)
@@ -98,6 +103,7 @@ def test_a_request_draws_the_same_alone_or_among_others():
         temperature=jnp.array([1.0, 0.8, 0.0, 1.2, 1.0, 0.7, 1.0, 0.9]),
         top_k=jnp.array([0, 5, 0, 10, 0, 3, 20, 0]),
         top_p=jnp.array([1.0, 0.9, 1.0, 0.8, 0.95, 1.0, 1.0, 0.5]),
+        min_p=jnp.array([0.0, 0.0, 0.1, 0.0, 0.05, 0.2, 0.0, 0.0]),
         seed=jnp.arange(8, dtype=jnp.uint32) * 11,
         choice=jnp.array([0, 1, 0, 2, 0, 0, 1, 0]),
     )
@@ -148,8 +154,10 @@ def _target(probs: np.ndarray, drafts: list[int]) -> dict[tuple[int, ...], float
     return outcomes
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (1.3, 4, 0.95)])
-def test_verified_tokens_follow_the_targets_distribution(temperature, top_k, top_p):
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,min_p", [(1.0, 0, 1.0, 0.0), (1.3, 4, 0.95, 0.0), (1.3, 0, 1.0, 0.05)]
+)
+def test_verified_tokens_follow_the_targets_distribution(temperature, top_k, top_p, min_p):
     """Speculative sampling is lossless: the output of verifying a likely and an unlikely draft
     follows, by a chi-squared test, the distribution of sampling token by token."""
     rng = np.random.default_rng(3)
@@ -157,12 +165,12 @@ def test_verified_tokens_follow_the_targets_distribution(temperature, top_k, top
     drafts = [int(np.argmax(logits[0])), int(np.argsort(logits[1])[-3])]
     probs = []
     for row in logits / temperature:
-        keep = np.isin(np.arange(VOCAB), list(_support(np.exp(row) / np.exp(row).sum(), top_k, top_p)))
+        keep = np.isin(np.arange(VOCAB), list(_support(np.exp(row) / np.exp(row).sum(), top_k, top_p, min_p)))
         p = np.where(keep, np.exp(row), 0)
         probs.append(p / p.sum())
     want = _target(np.array(probs), drafts)
     assert len(want) >= 8  # outcomes that stop at each position
-    drawn = _verify_draws(logits, drafts, 20000, temperature=temperature, top_k=top_k, top_p=top_p)
+    drawn = _verify_draws(logits, drafts, 20000, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     counts = collections.Counter(drawn)
     assert set(counts) <= set(want)
     outcomes = sorted(want)
