@@ -53,7 +53,8 @@ def draw_key(seed: jax.Array, choice: jax.Array, token_index: jax.Array) -> jax.
 
 def allowed(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
     """[vocab] bool: the tokens at least min-p times as likely as the likeliest, then the top-k of
-    them (all if k = 0), cut to the fewest whose probability adds up to at least p (vLLM's order).
+    them (all if k = 0), cut to the fewest whose probability adds up to at least p (the order of
+    vLLM's V1 engine).
     Ties at the cut are all kept."""
     floor = jnp.where(min_p > 0, jnp.max(logits) + jnp.log(jnp.maximum(min_p, 1e-30)), -jnp.inf)
     ordered = jnp.sort(jnp.where(logits >= floor, logits, -jnp.inf))[::-1]
@@ -96,7 +97,7 @@ def _scaled(logits: jax.Array, temperature, top_k, top_p, min_p, cut: bool) -> j
 
 def _by_need(sampling: Sampling, greedy: Callable, sampled: Callable) -> jax.Array:
     """`greedy()` when no row samples, else `sampled(cut)`, `cut` whether some sampled row cuts
-    top-k/p: work no row needs (the draw, the sort) is skipped."""
+    min-p/top-k/p: work no row needs (the draw, the sort) is skipped."""
     rows = sampling.temperature > 0
     cuts = jnp.any(rows & ((sampling.top_k > 0) | (sampling.top_p < 1) | (sampling.min_p > 0)))
     which = jnp.where(jnp.any(rows), 1 + cuts.astype(jnp.int32), 0)
@@ -114,7 +115,7 @@ def sample(
     """[slots] int32 tokens from [slots, vocab] logits (any padding past `vocab_size` is never
     drawn), with `mask` [slots, words] a bitmask of the tokens each slot may draw (see
     `unpack_mask`) and `exclude` [slots] a token each may not (-1: none), taken out after the
-    top-k/p cut, so the rest keep the probabilities they had."""
+    min-p/top-k/p cut, so the rest keep the probabilities they had."""
     logits = _allowed_logits(logits, vocab_size, mask)
     exclude = jnp.full(logits.shape[0], -1) if exclude is None else exclude
     kept = jnp.arange(logits.shape[-1]) != exclude[:, None]

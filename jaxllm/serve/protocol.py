@@ -146,8 +146,8 @@ class _Sampling(BaseModel):
     temperature: float = Field(1.0, ge=0, le=2, description="0: greedy")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0: no limit")
-    min_p: float = Field(0.0, ge=0, le=1, description="vLLM's: only tokens at least min_p times as likely as the "
-                         "likeliest (0: no limit)")  # fmt: skip
+    min_p: float | None = Field(None, ge=0, le=1, description="vLLM's: only tokens at least min_p times as likely "
+                                "as the likeliest (None or 0: no limit)")  # fmt: skip
     n: int = Field(1, ge=1, description="choices, each decoded in a slot of its own")
     seed: int | None = Field(None, ge=0, lt=SEEDS, description="None: a random one")
     stop: stop_strings(MAX_STOPS) = Field(None, description="strings that end a choice")
@@ -167,7 +167,7 @@ class _Sampling(BaseModel):
     def request(self, prompt: list[int], max_tokens: int, logprobs: int | None, constraint=None) -> Request:
         return Request(
             prompt, max_tokens, self.temperature, self.top_k, self.top_p, self.seed, self.n, self.stops,
-            self.ignore_eos, logprobs, constraint, self.min_p,
+            self.ignore_eos, logprobs, constraint, self.min_p or 0.0,
         )  # fmt: skip
 
 

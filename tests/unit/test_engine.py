@@ -492,6 +492,8 @@ def test_requests_beyond_the_limits_are_refused_with_the_limit(engines):
         (Request([1], n=9), "n=9 must be between 1 and the 8 slots"),
         (Request([300]), r"prompt token ids must be in \[0, 300\)"),
         (Request([1], top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
+        (Request([1], min_p=1.5), r"min_p=1.5 must be in \[0, 1\]"),
+        (Request([1], min_p=math.nan), r"min_p=nan must be in \[0, 1\]"),
         (Request([1], stop=("a", "b", "c", "d", "e")), "5 stop strings given; at most 4"),
         (Request([1], stop=("end", "")), "a stop string is empty: it would end the request before any text"),
         (Request([1], logprobs=21), "logprobs=21 must be between 0 and 20"),

@@ -48,6 +48,11 @@ def test_draws_follow_the_truncated_distribution(top_k, top_p, min_p):
     np.testing.assert_allclose(np.bincount(drawn, minlength=VOCAB) / DRAWS, want / want.sum(), atol=0.03)
 
 
+def test_min_p_of_one_keeps_every_token_tied_at_the_top():
+    drawn = _draws(np.log(np.array([0.3, 0.3, 0.2, 0.2])), vocab_size=4, temperature=1.0, min_p=1.0)
+    assert set(drawn.tolist()) == {0, 1}
+
+
 def test_temperature_sharpens_and_zero_is_greedy():
     logits = np.log(PROBS)
     assert set(_draws(logits, temperature=0.0).tolist()) == {0}
