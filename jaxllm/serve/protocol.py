@@ -1,8 +1,8 @@
 """OpenAI's request bodies as this server takes them, each bound set by the engine's limits.
 
 Unknown fields are ignored, as OpenAI's clients expect; fields this server cannot honour are
-refused by name (`unsupported`) rather than silently dropped. `top_k` and `ignore_eos` are
-extensions (vLLM's names)."""
+refused by name (`unsupported`) rather than silently dropped. `top_k`, `min_p` and `ignore_eos`
+are extensions (vLLM's names)."""
 
 from __future__ import annotations
 
