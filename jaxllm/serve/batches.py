@@ -13,7 +13,8 @@ import numpy as np
 from jaxllm.serve.pages import SCRATCH_PAGE
 from jaxllm.serve.scheduler import Chunk, Sequence
 
-PADDING_SAMPLING = (np.float32(0), np.int32(0), np.float32(1), np.float32(0), np.uint32(0), np.int32(0))  # greedy
+# A padding row's settings (greedy), in `RowSampling`'s order and each field's dtype.
+PADDING_SAMPLING = (np.float32(0), np.int32(0), np.float32(1), np.float32(0), np.uint32(0), np.int32(0))
 
 
 class RowSampling(NamedTuple):
@@ -64,8 +65,8 @@ class PrefillRow:
     def of(cls, chunk: Chunk, allowed: np.ndarray | None) -> PrefillRow:
         s, request = chunk.sequence, chunk.sequence.generation.request
         settings = (request.temperature, request.top_k, request.top_p, request.min_p, s.generation.seed, s.choice)
-        dtypes = (np.float32, np.int32, np.float32, np.float32, np.uint32, np.int32)
-        return cls(chunk, tuple(np.array(v, d) for v, d in zip(settings, dtypes, strict=True)), allowed)
+        typed = tuple(np.array(v, p.dtype) for v, p in zip(settings, PADDING_SAMPLING, strict=True))
+        return cls(chunk, typed, allowed)
 
 
 def _padded(rows: int, slots: int, width: int, words: int) -> tuple:
