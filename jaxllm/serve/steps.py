@@ -32,7 +32,7 @@ from jaxllm.model.cache import KVCache
 from jaxllm.model.decoder import Model
 from jaxllm.model.sampling import Sampling, first_argmax, sample, verify
 from jaxllm.serve import lookup
-from jaxllm.serve.batches import DecodeBatch, PrefillBatch
+from jaxllm.serve.batches import PADDING_SAMPLING, DecodeBatch, PrefillBatch
 from jaxllm.serve.generation import TOP_LOGPROBS, Tokens
 from jaxllm.serve.settings import LONGEST_BACK_OFF
 
@@ -68,8 +68,7 @@ class Slots(NamedTuple):
         def zeros(dtype=jnp.int32):  # separate buffers, so the state can be donated
             return jnp.zeros(slots + 1, dtype)
 
-        sampling = Sampling(zeros(jnp.float32), zeros(), jnp.ones(slots + 1), zeros(jnp.float32), zeros(jnp.uint32),
-                            zeros())  # fmt: skip
+        sampling = Sampling(*(jnp.full(slots + 1, v) for v in PADDING_SAMPLING))  # empty slots decode as padding
         return cls(zeros(), sampling, zeros(), zeros(), lookup.empty(pages, page_size))
 
 
