@@ -15,11 +15,12 @@ its prompt):
 Each line is the two engines' tokens/s over the same requests (the median of --repeats runs after
 a warm-up, the engines' runs taking turns so that the machine's drift falls on both), their
 ratio, the fraction of proposed tokens the model accepted and of output tokens that came from
-verify steps. With prompt lookup it also gives the ratio against the speculating engine's own
-plain steps (the same engine with serve.speculative set to off between runs): its buffers and
-executables are the speculating runs' own, where two engines of the same compiled steps may
-step at paces 10 % or more apart on this machine. (A draft model's engine runs the draft in its
-plain steps too, so only the plain engine is its baseline.)
+verify steps; then the same for the speculating engine with serve.speculative_auto off (it
+verifies wherever there are drafts, faster or not). With prompt lookup it also gives the ratio
+against the speculating engine's own plain steps (the same engine with serve.speculative set to
+off between runs): its buffers and executables are the speculating runs' own, where two engines
+of the same compiled steps may step at paces 10 % or more apart on this machine. (A draft
+model's engine runs the draft in its plain steps too, so only the plain engine is its baseline.)
 
 With `--together` a kind's four requests decode at once, four busy sequences whose verify steps
 and back-offs fall in each other's steps; `--max-batch N` sets serve.speculative_max_batch (prompt
@@ -61,6 +62,13 @@ def prompt_sets(tokenizer, prompt_tokens: int) -> dict[str, list[tuple[list[int]
         "summarisation-style": [(p, 0.0) for p in summaries],
         "nothing repeats": [(p, 1.0) for p in random],
     }
+
+
+def _speculated(runs: list, column: int, tokens: int) -> str:
+    """What the engine of `column` proposed and accepted over `runs` (each `tokens` output tokens)."""
+    drafts, drafted, accepted = sum(counts for _, counts in (r[column] for r in runs))
+    verified = (drafts + accepted) / (tokens * len(runs))  # each verify step: its accepted tokens and one
+    return f"{accepted / max(drafted, 1):.2f} of proposed tokens accepted, {verified:.2f} of tokens from verify steps"
 
 
 def main() -> None:
@@ -111,6 +119,7 @@ def main() -> None:
     # Prompt lookup's engine decodes plain steps too (a plain engine's, with the lookup's flag):
     # the same engine with speculation off is a baseline of the same buffers and executables.
     own_plain = None if args.draft else dataclasses.replace(speculating, speculative="off")
+    always = dataclasses.replace(speculating, speculative_auto=False)
     ngram = f"ngram {speculative.settings.ngram_min}..{speculative.settings.ngram_max}"
     how = f"draft model {args.draft}" if args.draft else ngram
     at_once = "all of a kind's requests at once" if args.together else "one request at a time"
@@ -119,25 +128,26 @@ def main() -> None:
     for kind, prompts in prompt_sets(speculative.tokenizer, args.prompt_tokens).items():
         requests = [Request(p, args.new, temperature=t, seed=i, ignore_eos=True) for i, (p, t) in enumerate(prompts)]
 
-        def run(engine, settings=None, requests=requests) -> float:
+        def run(engine, settings=None, requests=requests) -> tuple[float, np.ndarray]:
+            """(seconds, the drafts verified, tokens proposed and tokens accepted meanwhile)"""
             engine.settings = settings or engine.settings
+            counts = np.array([engine.drafts, engine.draft_tokens, engine.accepted_tokens])
             start = time.perf_counter()
             for batch in [requests] if args.together else [[r] for r in requests]:
                 engine.generate(batch)
-            return time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            return elapsed, np.array([engine.drafts, engine.draft_tokens, engine.accepted_tokens]) - counts
 
-        before = speculative.drafts, speculative.draft_tokens, speculative.accepted_tokens
-        engines = [(plain, None), (speculative, speculating)] + [(speculative, own_plain)] * bool(own_plain)
-        times = [[run(*e) for e in engines] for _ in range(args.repeats + 1)][1:]  # after a warm-up
-        base, fast, *own = (statistics.median(t) for t in zip(*times, strict=True))
-        now = speculative.drafts, speculative.draft_tokens, speculative.accepted_tokens
-        drafts, drafted, accepted = (a - b for a, b in zip(now, before, strict=True))
+        engines = [(plain, None), (speculative, speculating), (speculative, always)]
+        engines += [(speculative, own_plain)] * bool(own_plain)
+        runs = [[run(*e) for e in engines] for _ in range(args.repeats + 1)]  # the first a warm-up
+        base, fast, fixed, *own = (statistics.median(seconds for seconds, _ in r[1:]) for r in zip(*runs, strict=True))
         tokens = len(requests) * args.new
-        verified = (drafts + accepted) / (tokens * (args.repeats + 1))  # each verify step: its accepted tokens and one
+
         own = f" ({own[0] / fast:.2f}x its own engine's plain steps')" if own else ""
         print(f"{kind:>20}: plain {tokens / base:6.1f} tokens/s, {proposer} {tokens / fast:6.1f} tokens/s: "
-              f"{base / fast:.2f}x{own}; {accepted / max(drafted, 1):.2f} of proposed tokens accepted, "
-              f"{verified:.2f} of tokens from verify steps")  # fmt: skip
+              f"{base / fast:.2f}x{own}; {_speculated(runs, 1, tokens)}; always verifying {base / fixed:.2f}x, "
+              f"{_speculated(runs, 2, tokens)}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ from jaxllm.serve.guards import PerplexityAlarm
 from jaxllm.serve.pages import PagePool
 from jaxllm.serve.scheduler import Chunk, Plan, Scheduler, Sequence, State
 from jaxllm.serve.settings import ServeConfig
-from jaxllm.serve.speculation import propose, spaced_out
+from jaxllm.serve.speculation import Pace, choose, propose, spaced_out
 
 log = logging.getLogger("jaxllm.serve")
 
@@ -77,6 +77,9 @@ class Dispatched:
     scored: list[tuple[int, Chunk]] = dataclasses.field(default_factory=list)
     decode_bytes: float = 0.0
     drafted: list[int] = dataclasses.field(default_factory=list)  # each row's draft tokens
+    rows: int = 0  # (a decode) its batch bucket
+    at: int = 0  # (a decode) the engine step that dispatched it
+    after_prefill: bool = False  # (a decode) whether the engine step before dispatched a prefill
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,9 +134,11 @@ class Engine:
         self._failed_in_a_row = 0
         self.steps_run = 0
         self.profiler = None  # with `before(step)` and `after(step, pending)`: traces steps A..B (--profile-steps)
-        self._bandwidth_use, self._last_decode_read = 0.0, None
+        self._bandwidth_use, self._last_decode_read = 0.0, None  # (when, the step read's `at`)
+        self._prefilled = False  # whether the last engine step dispatched a prefill
+        self.pace = Pace(s.draft_tokens)
         self.drafts = self.draft_tokens = self.accepted_tokens = 0  # speculative decoding's totals
-        self.clock = time.perf_counter  # times decode steps for the bandwidth gauge
+        self.clock = time.perf_counter  # times decode steps, for the bandwidth gauge and `pace`
 
     def submit(
         self, request: Request, loop: asyncio.AbstractEventLoop | None = None, request_id: str | None = None
@@ -216,8 +221,10 @@ class Engine:
                 plan = self._plan()
             if plan.decode and (step := self._dispatch_decode(plan.decode)):
                 dispatched.append(step)
+            self._prefilled = False
             if plan.prefill and (step := self._dispatch_prefill(plan.prefill)):
                 dispatched.append(step)
+                self._prefilled = True
             previous, self._dispatched = self._dispatched, dispatched
             for step in previous:
                 self._read(step)
@@ -228,9 +235,11 @@ class Engine:
         return len(plan.decode)
 
     def _plan(self) -> Plan:
-        decoding = sum(s.state is State.DECODE for s in self.scheduler.running)
+        decoding = [s for s in self.scheduler.running if s.state is State.DECODE]
         for sequence in self.scheduler.running:
-            propose(sequence, self.settings, decoding)
+            propose(sequence, self.settings, len(decoding))
+        if self.settings.speculative_auto:
+            choose(decoding, self.pace, Buckets.fit(max(len(decoding), 1), self.buckets.rows))
         plan = self.scheduler.plan()
         self._queued = len({s.generation for s in self.scheduler.waiting if s.issued == 0 and s.choice == 0})
         return plan
@@ -266,8 +275,11 @@ class Engine:
         draws = [(row, s, s.dispatched) for row, s in enumerate(sequences)]
         decode_bytes = self.device.decode_bytes([s.position + 1 for s in sequences])
         for s in sequences:
+            if s.drafts:
+                s.verified_at = s.issued
             s.issued += 1 + s.drafts
-        return Dispatched(pending, draws, decode_bytes=decode_bytes, drafted=[s.drafts for s in sequences])
+        return Dispatched(pending, draws, decode_bytes=decode_bytes, drafted=[s.drafts for s in sequences],
+                          rows=rows, at=self.steps_run, after_prefill=self._prefilled)  # fmt: skip
 
     def _mask(self, sequence: Sequence) -> np.ndarray:
         """The tokens a constrained sequence may draw next, as a bitmask row."""
@@ -296,13 +308,14 @@ class Engine:
         scored = [(row, c) for row, c in enumerate(chunks) if c.sequence.scores_prompt and not c.sequence.output]
         for chunk in chunks:
             self.scheduler.advance(chunk)
+            chunk.sequence.verified_at = chunk.sequence.issued  # a draft model's cache holds it all
         return Dispatched(pending, draws, scored if self.settings.prompt_nll else [])
 
     def _read(self, step: Dispatched) -> None:
         """Streams what `step` produced; a choice that finishes gives back its pages and slot."""
         tokens, prompt, recurs = self.device.read(step.pending)
         if step.decode_bytes:
-            self._measure_bandwidth(step.decode_bytes)
+            self._time_decode(step, tokens)
         if step.scored:
             self._score_prompts(step.scored, prompt)
         for row, sequence, dispatched in step.draws:
@@ -333,6 +346,7 @@ class Engine:
             self.drafts, self.draft_tokens, self.accepted_tokens = (
                 self.drafts + 1, self.draft_tokens + proposed, self.accepted_tokens + len(ids) - 1,
             )  # fmt: skip
+            self.pace.yielded(len(ids))
         generation = sequence.generation
         for j, token in enumerate(ids):
             if generation._push(sequence.choice, token, self._logprob(generation, tokens, j)):
@@ -343,14 +357,20 @@ class Engine:
         spaced_out(sequence, proposed, len(ids) - 1)
         return False
 
-    def _measure_bandwidth(self, decode_bytes: float) -> None:
-        """The bytes a decode step read over the time since the last decode step's read: the
-        device's pace while decode steps follow one another."""
+    def _time_decode(self, step: Dispatched, tokens: Tokens) -> None:
+        """The time since the last decode step's read: the device's pace while decode steps follow
+        one another. Over it, the bytes the step read (the bandwidth gauge); and where the decode
+        before it was dispatched in the engine step before, with no prefill after it, the step's
+        cost for `pace`: verifying where a row holds a token or a rejection after its first."""
         now, last = self.clock(), self._last_decode_read
-        self._last_decode_read = now
-        if last is not None and now > last:
-            use = decode_bytes / (now - last) / self.device.bandwidth
-            self._bandwidth_use += self.BANDWIDTH_SMOOTHING * (use - self._bandwidth_use)
+        self._last_decode_read = now, step.at
+        if last is None or now <= last[0]:
+            return
+        use = step.decode_bytes / (now - last[0]) / self.device.bandwidth
+        self._bandwidth_use += self.BANDWIDTH_SMOOTHING * (use - self._bandwidth_use)
+        if last[1] == step.at - 1 and not step.after_prefill:
+            verified = tokens.ids.ndim == 2 and bool((tokens.ids[:, 1:] != -1).any())
+            self.pace.time(step.rows, verified, now - last[0])
 
     def _score_prompts(self, scored: list[tuple[int, Chunk]], prompt: Tokens) -> None:
         """Collects each prompt token's log-prob from the prefill chunks that read it; once a

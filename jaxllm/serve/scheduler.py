@@ -51,6 +51,7 @@ class Sequence:
     recurs: bool = True  # (prompt lookup) the device finds a proposal after its last token read back
     resume_at: int = 0  # a speculating sequence proposes nothing before this output index ...
     misses: int = 0  # ... after this many verify steps in a row rejected all they proposed
+    verified_at: int = 0  # `issued` when it last fed a verify step its drafts, or finished its prefill
 
     @property
     def prompt(self) -> list[int]:

@@ -55,6 +55,9 @@ class ServeConfig(Section):
                                           "number), like vLLM's disable_by_batch_size: a verify step feeds each row "
                                           "of its batch the drafts' width, which a compute-bound device (a CPU) pays "
                                           "for row by row")  # fmt: skip
+    speculative_auto: bool = field(True, "verify drafts only where the steps' measured times and the drafts "
+                                         "accepted so far say a verify step yields more tokens a second than a "
+                                         "plain step would")  # fmt: skip
     ngram_max: int = field(4, f"the longest run of last tokens 'ngram' looks up (at most {NGRAM_LONGEST})")
     ngram_min: int = field(2, "and the shortest: shorter runs recur by chance and propose tokens that are rejected")
     tensor: int = field(-1, "devices for tensor parallelism (-1: as many local ones as split the heads evenly)")

@@ -2,10 +2,14 @@
 in the step that verifies them (`lookup`, or a draft model: see `steps.decode`), so the host
 only says how many a sequence wants: by prompt lookup, only where the last step read found its
 context's last tokens earlier (`steps.decode`'s `recurs`), and by either, none for a while after
-verify steps that rejected all they proposed.
+verify steps that rejected all they proposed; and (`serve.speculative_auto`) only where a verify
+step yields more tokens a second than a plain step would (`Pace`, `choose`).
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence as Many
 
 from jaxllm.serve.scheduler import Sequence, State
 from jaxllm.serve.settings import LONGEST_BACK_OFF, ServeConfig
@@ -35,3 +39,62 @@ def spaced_out(sequence: Sequence, proposed: int, accepted: int) -> None:
     elif proposed:
         sequence.resume_at = sequence.issued + min(2**sequence.misses, LONGEST_BACK_OFF)
         sequence.misses += 1
+
+
+class Pace:
+    """What a decode step costs at each batch bucket, plain and verifying (seconds, a moving
+    average of the times between the reads of decode steps that follow one another), and what a
+    verify step yields a row that proposed tokens (a moving average of its tokens, accepted and one)."""
+
+    SMOOTHING = 0.2  # a step time's weight: the device's pace at a bucket moves little
+    YIELD_SMOOTHING = 0.05  # a row's, from the 20th (the guess's among them): misses come in runs
+    # The guess before the first verify step (every draft accepted) weighs as much as this many
+    # rows: a first row's yield alone could stop verify steps, which then measure nothing.
+    PRIOR_ROWS = 2
+
+    def __init__(self, draft_tokens: int):
+        self.seconds: dict[tuple[int, bool], float] = {}  # (rows, verifies) -> seconds a step
+        self.yield_per_row = 1.0 + draft_tokens  # before the first verify step: all accepted
+        self.rows_verified = self.PRIOR_ROWS
+        self._seen: set[tuple[int, bool]] = set()
+
+    def time(self, rows: int, verifies: bool, seconds: float) -> None:
+        """A step's time; the first of each kind at each bucket is left out (a compiled step's first
+        run pays one-off costs: a verify step's first took twice its usual time on a CPU)."""
+        key = (rows, verifies)
+        if key not in self._seen:
+            self._seen.add(key)
+            return
+        before = self.seconds.get(key, seconds)
+        self.seconds[key] = before + self.SMOOTHING * (seconds - before)
+
+    def yielded(self, tokens: int) -> None:
+        """A row that proposed tokens kept `tokens` - 1 of them: the mean so far (the guess
+        among them), then a moving average."""
+        self.rows_verified += 1
+        weight = max(1 / self.rows_verified, self.YIELD_SMOOTHING)
+        self.yield_per_row += weight * (tokens - self.yield_per_row)
+
+    def verify_pays(self, rows: int, plain_tokens: float, verify_tokens: float) -> bool:
+        """Whether a verify step of `rows` yielding `verify_tokens` outpaces a plain one yielding
+        `plain_tokens`, by the times at the nearest batch bucket where both kinds are timed. Before
+        any is, the kind not yet timed at `rows` is chosen, so that each is."""
+        timed = [r for r, verifies in self.seconds if verifies and (r, False) in self.seconds]
+        if not timed:
+            return (rows, True) not in self.seconds
+        nearest = min(timed, key=lambda r: abs(math.log2(r / rows)))
+        return verify_tokens / self.seconds[nearest, True] > plain_tokens / self.seconds[nearest, False]
+
+
+def choose(decoding: Many[Sequence], pace: Pace, rows: int) -> None:
+    """Takes back the drafts `propose` set for the `decoding` sequences (a batch of bucket `rows`)
+    where their verify step would yield fewer tokens a second than a plain step, by `pace`. A
+    sequence that has not verified for `LONGEST_BACK_OFF` tokens verifies all the same: so
+    acceptance is measured as the text changes, and a draft model reads back what plain steps
+    decoded (`steps.decode`)."""
+    wanting = [s for s in decoding if s.drafts]
+    if not wanting or any(s.issued - s.verified_at >= LONGEST_BACK_OFF for s in wanting):
+        return
+    if not pace.verify_pays(rows, len(decoding), len(decoding) + len(wanting) * (pace.yield_per_row - 1)):
+        for s in wanting:
+            s.drafts = 0

@@ -7,6 +7,8 @@ whose cache must then follow the target's exactly), the pages of rejected ones g
 /metrics counts them. (That sampled tokens follow the target's distribution exactly is
 `test_sampling`'s, at the verification itself.)"""
 
+import dataclasses
+
 import httpx
 import jax.numpy as jnp
 import numpy as np
@@ -24,16 +26,20 @@ from jaxllm.serve.load import load_engine, serving_setup
 from jaxllm.serve.lookup import propose
 from jaxllm.serve.scheduler import State
 from jaxllm.serve.settings import LONGEST_BACK_OFF, ServeConfig
+from jaxllm.serve.speculation import Pace
 
 # Pages of 4 tokens: drafts often cross into a page. Every test shares these settings, so that the
 # engines the module builds (each compiles every step) serve several tests.
 SERVE = {"serve.slots": 4, "model.max_seq_len": 256, "serve.max_len": 160, "serve.prefill_chunk": 32,
          "serve.dtype": "float32", "serve.page_size": 4}  # fmt: skip
-NGRAM = {"serve.speculative": "ngram", "serve.draft_tokens": 3, "serve.ngram_min": 1}
+# Every verify step these engines can take, they take (serve.speculative_auto off): what they
+# decide by their steps' times is `test_the_engine_verifies_where_verify_steps_pay`'s.
+NGRAM = {"serve.speculative": "ngram", "serve.draft_tokens": 3, "serve.ngram_min": 1, "serve.speculative_auto": False}
 
 
 def _draft(path) -> dict:
-    return {"serve.speculative": "draft", "serve.draft_model": str(path), "serve.draft_tokens": 3}
+    return {"serve.speculative": "draft", "serve.draft_model": str(path), "serve.draft_tokens": 3,
+            "serve.speculative_auto": False}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -305,6 +311,71 @@ def test_a_server_speculates_only_while_few_enough_sequences_decode(trained, eng
     _same(_outputs(engines(), requests), got)
     together = [verifies for sequences, verifies in steps if sequences > 1]
     assert len(together) >= 8 and not any(together) and any(verifies for _, verifies in steps)
+
+
+class _Priced:
+    """An engine's device whose reads advance a clock by a price a step: 1 for a plain step or a
+    prefill, `verify` for a step in which some row was proposed tokens (its row holds a token or a
+    rejection after its first). It notes the output indices at which each slot asks for drafts."""
+
+    def __init__(self, device, verify: float):
+        self.device, self.verify, self.now = device, verify, 0.0
+        self.drafting: dict[int, list[int]] = {}
+
+    def __getattr__(self, name):
+        return getattr(self.device, name)
+
+    def decode(self, batch):
+        wanted = (batch.drafts >= 0).any(axis=1) & (batch.positions >= 0)
+        for slot, index in zip(batch.slots[wanted], batch.index[wanted], strict=True):
+            self.drafting.setdefault(int(slot), []).append(int(index))
+        return self.device.decode(batch)
+
+    def clock(self) -> float:
+        return self.now
+
+    def read(self, pending):
+        tokens, *rest = self.device.read(pending)
+        self.now += self.verify if tokens.ids.ndim == 2 and (tokens.ids[:, 1:] != -1).any() else 1.0
+        return tokens, *rest
+
+
+@pytest.mark.parametrize("temperature,verify_price,faster", [(0.0, 1.25, "always"), (0.0, 2.5, None),
+                                                            (0.0, 5.0, "plain"), (1.0, 2.5, "plain")])  # fmt: skip
+def test_the_engine_verifies_where_verify_steps_pay(trained, engines, temperature, verify_price, faster):
+    """The engine (serve.speculative_auto) against one that always verifies and plain decoding,
+    on a device whose verify steps cost `verify_price` plain steps: it saves most of the time that
+    the faster of them saves over the slower, finding the steps' costs and the proposals' yield as
+    it goes. Greedy, whose proposals are mostly kept: at 1.25 always verifying is faster, at 5
+    (more than a verify step of 3 drafts yields) plain decoding; at 2.5, where neither is much
+    faster, the engine is faster than both, as it verifies only where the batch's sequences
+    propose tokens. Sampled, whose proposals are mostly rejected, plain decoding is faster at 2.5.
+    A greedy sequence, which has a proposal at every step, verifies at least every
+    `LONGEST_BACK_OFF` tokens or so (its acceptance followed; a draft model's cache reads back no
+    more). Each policy's time is its device's clock; the outputs are plain decoding's."""
+    engine = engines(**NGRAM)
+    real, clock, settings = engine.device, engine.clock, engine.settings
+    prompts = _prompts(trained[2])
+    requests = [Request(p, 88, temperature=temperature, seed=i, ignore_eos=True) for i, p in enumerate(prompts)]
+    policies = {"auto": {"speculative_auto": True}, "always": {}, "plain": {"speculative": "off"}}
+    took, outputs, devices = {}, {}, {}
+    try:
+        for policy, changes in policies.items():
+            engine.device = priced = devices[policy] = _Priced(real, verify_price)
+            engine.settings, engine.clock, engine.pace = dataclasses.replace(settings, **changes), priced.clock, Pace(3)
+            engine.pool.forget()  # each from the same start: no prompt's pages in the prefix cache
+            outputs[policy], took[policy] = _outputs(engine, requests), priced.now
+    finally:
+        engine.device, engine.clock, engine.settings = real, clock, settings
+    assert outputs["auto"] == outputs["always"] == outputs["plain"]
+    if temperature == 0:  # every step finds a proposal: however dear, it verifies every so often
+        for indices in devices["auto"].drafting.values():
+            assert np.diff([0, *indices, 88]).max() <= LONGEST_BACK_OFF + 8
+    if faster is None:
+        assert took["auto"] <= 0.95 * min(took["always"], took["plain"])
+    else:
+        slower = {"always": "plain", "plain": "always"}[faster]
+        assert took[faster] < took[slower] and took[slower] - took["auto"] >= 0.7 * (took[slower] - took[faster])
 
 
 def test_a_sampled_request_speculates_the_same_alone_or_among_others(trained, engines):
