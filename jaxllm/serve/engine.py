@@ -99,6 +99,7 @@ class Stats:
     drafts: int  # drafts verified since start (one per sequence and step)
     draft_tokens: int  # tokens they proposed
     accepted_tokens: int  # of those, the tokens the model accepted
+    held_back: int  # decode steps whose drafts serve.speculative_auto took back (see `speculation.choose`)
 
 
 class Engine:
@@ -137,7 +138,7 @@ class Engine:
         self._bandwidth_use, self._last_decode_read = 0.0, None  # (when, the step read's `at`)
         self._prefilled = False  # whether the last engine step dispatched a prefill
         self.pace = Pace(s.draft_tokens)
-        self.drafts = self.draft_tokens = self.accepted_tokens = 0  # speculative decoding's totals
+        self.drafts = self.draft_tokens = self.accepted_tokens = self.held_back = 0  # speculative decoding's totals
         self.clock = time.perf_counter  # times decode steps, for the bandwidth gauge and `pace`
 
     def submit(
@@ -176,7 +177,7 @@ class Engine:
         return Stats(
             self.queued(), len(self.scheduler.running), self.pool.in_use() / self.pool.capacity, self.pool.cached(),
             self.scheduler.prefix_hits, self.scheduler.prefix_misses, self.pool.page_size, self.scheduler.preemptions,
-            self.restarts, self._bandwidth_use, self.drafts, self.draft_tokens, self.accepted_tokens,
+            self.restarts, self._bandwidth_use, self.drafts, self.draft_tokens, self.accepted_tokens, self.held_back,
         )  # fmt: skip
 
     def serve_forever(self, stop: threading.Event, on_step: Callable[[int], None] = lambda rows: None) -> None:
@@ -239,7 +240,7 @@ class Engine:
         for sequence in self.scheduler.running:
             propose(sequence, self.settings, len(decoding))
         if self.settings.speculative_auto:
-            choose(decoding, self.pace, Buckets.fit(max(len(decoding), 1), self.buckets.rows))
+            self.held_back += choose(decoding, self.pace, Buckets.fit(max(len(decoding), 1), self.buckets.rows))
         plan = self.scheduler.plan()
         self._queued = len({s.generation for s in self.scheduler.waiting if s.issued == 0 and s.choice == 0})
         return plan

@@ -131,6 +131,12 @@ class Metrics:
             "jaxllm_spec_acceptance_rate", "Of the tokens speculative decoding proposed since start, the fraction "
             "the model accepted.", registry=r,
         )  # fmt: skip
+        self.spec_held_back = Gauge(
+            "jaxllm_spec_held_back_steps", "Decode steps since start in which the engine took a plain step where "
+            "sequences had drafts (serve.speculative_auto): a verify step would have yielded fewer tokens a "
+            "second, or a plain step was still to be timed.",
+            registry=r,
+        )  # fmt: skip
         self.vllm_spec_decode = _Totals(r, labels, {
             "vllm:spec_decode_num_drafts": "Number of spec decoding drafts.",
             "vllm:spec_decode_num_draft_tokens": "Number of draft tokens.",
@@ -176,6 +182,7 @@ class Metrics:
         self.vllm_prefix_cache.set("vllm:prefix_cache_queries", (hits + misses) * stats.page_size)
         self.vllm_prefix_cache.set("vllm:prefix_cache_hits", hits * stats.page_size)
         self.spec_acceptance.set(stats.accepted_tokens / max(stats.draft_tokens, 1))
+        self.spec_held_back.set(stats.held_back)
         for name, total in (("drafts", stats.drafts), ("draft_tokens", stats.draft_tokens),
                             ("accepted_tokens", stats.accepted_tokens)):  # fmt: skip
             self.vllm_spec_decode.set(f"vllm:spec_decode_num_{name}", total)

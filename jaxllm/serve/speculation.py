@@ -86,15 +86,18 @@ class Pace:
         return verify_tokens / self.seconds[nearest, True] > plain_tokens / self.seconds[nearest, False]
 
 
-def choose(decoding: Many[Sequence], pace: Pace, rows: int) -> None:
+def choose(decoding: Many[Sequence], pace: Pace, rows: int) -> bool:
     """Takes back the drafts `propose` set for the `decoding` sequences (a batch of bucket `rows`)
-    where their verify step would yield fewer tokens a second than a plain step, by `pace`. A
+    where their verify step would yield fewer tokens a second than a plain step, by `pace`;
+    whether it did. A
     sequence that has not verified for `LONGEST_BACK_OFF` tokens verifies all the same: so
     acceptance is measured as the text changes, and a draft model reads back what plain steps
     decoded (`steps.decode`)."""
     wanting = [s for s in decoding if s.drafts]
     if not wanting or any(s.issued - s.verified_at >= LONGEST_BACK_OFF for s in wanting):
-        return
-    if not pace.verify_pays(rows, len(decoding), len(decoding) + len(wanting) * (pace.yield_per_row - 1)):
-        for s in wanting:
-            s.drafts = 0
+        return False
+    if pace.verify_pays(rows, len(decoding), len(decoding) + len(wanting) * (pace.yield_per_row - 1)):
+        return False
+    for s in wanting:
+        s.drafts = 0
+    return True

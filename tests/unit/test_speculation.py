@@ -7,6 +7,7 @@ whose cache must then follow the target's exactly), the pages of rejected ones g
 /metrics counts them. (That sampled tokens follow the target's distribution exactly is
 `test_sampling`'s, at the verification itself.)"""
 
+import contextlib
 import dataclasses
 
 import httpx
@@ -340,6 +341,20 @@ class _Priced:
         return tokens, *rest
 
 
+@contextlib.contextmanager
+def _priced(engine, verify_price: float, **settings):
+    """`engine` on a `_Priced` device (yielded), its clock, with `settings` changed, a new `Pace`
+    and an empty prefix cache (each run from the same start); restored after."""
+    real, clock, before = engine.device, engine.clock, engine.settings
+    engine.device = priced = _Priced(real, verify_price)
+    engine.settings, engine.clock, engine.pace = dataclasses.replace(before, **settings), priced.clock, Pace(3)
+    engine.pool.forget()
+    try:
+        yield priced
+    finally:
+        engine.device, engine.clock, engine.settings = real, clock, before
+
+
 @pytest.mark.parametrize("temperature,verify_price,faster", [(0.0, 1.25, "always"), (0.0, 2.5, None),
                                                             (0.0, 5.0, "plain"), (1.0, 2.5, "plain")])  # fmt: skip
 def test_the_engine_verifies_where_verify_steps_pay(trained, engines, temperature, verify_price, faster):
@@ -354,20 +369,17 @@ def test_the_engine_verifies_where_verify_steps_pay(trained, engines, temperatur
     `LONGEST_BACK_OFF` tokens or so (its acceptance followed; a draft model's cache reads back no
     more). Each policy's time is its device's clock; the outputs are plain decoding's."""
     engine = engines(**NGRAM)
-    real, clock, settings = engine.device, engine.clock, engine.settings
     prompts = _prompts(trained[2])
     requests = [Request(p, 88, temperature=temperature, seed=i, ignore_eos=True) for i, p in enumerate(prompts)]
     policies = {"auto": {"speculative_auto": True}, "always": {}, "plain": {"speculative": "off"}}
-    took, outputs, devices = {}, {}, {}
-    try:
-        for policy, changes in policies.items():
-            engine.device = priced = devices[policy] = _Priced(real, verify_price)
-            engine.settings, engine.clock, engine.pace = dataclasses.replace(settings, **changes), priced.clock, Pace(3)
-            engine.pool.forget()  # each from the same start: no prompt's pages in the prefix cache
-            outputs[policy], took[policy] = _outputs(engine, requests), priced.now
-    finally:
-        engine.device, engine.clock, engine.settings = real, clock, settings
+    took, outputs, devices, held_back = {}, {}, {}, {}
+    for policy, changes in policies.items():
+        with _priced(engine, verify_price, **changes) as devices[policy]:
+            before = engine.held_back
+            outputs[policy], took[policy] = _outputs(engine, requests), devices[policy].now
+            held_back[policy] = engine.held_back - before
     assert outputs["auto"] == outputs["always"] == outputs["plain"]
+    assert held_back["always"] == held_back["plain"] == 0
     if temperature == 0:  # every step finds a proposal: however dear, it verifies every so often
         for indices in devices["auto"].drafting.values():
             assert np.diff([0, *indices, 88]).max() <= LONGEST_BACK_OFF + 8
@@ -387,15 +399,17 @@ def test_a_sampled_request_speculates_the_same_alone_or_among_others(trained, en
 
 
 def test_the_metrics_count_drafts_and_accepted_tokens(trained, engines):
+    """And the steps serve.speculative_auto held back, on a device whose verify steps do not pay."""
     tokenizer = trained[2]
     engine = engines(**NGRAM)
-    with http_server(engine) as (url, _):
-        body = {"model": "m", "prompt": tokenizer.decode(_prompts(tokenizer)[1]), "max_tokens": 24, "temperature": 0}
+    with _priced(engine, 5.0, speculative_auto=True), http_server(engine) as (url, _):
+        body = {"model": "m", "prompt": tokenizer.decode(_prompts(tokenizer)[1]), "max_tokens": 64, "temperature": 0}
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=120).status_code == 200
         metrics = metric_values(httpx.get(f"{url}/metrics").text)
     drafted, accepted = (metrics[f"vllm:spec_decode_num_{n}_total[0][m]"] for n in ("draft_tokens", "accepted_tokens"))
     assert (drafted, accepted) == (engine.draft_tokens, engine.accepted_tokens) and 0 < accepted <= drafted
     assert metrics["jaxllm_spec_acceptance_rate"] == pytest.approx(accepted / drafted)
+    assert metrics["jaxllm_spec_held_back_steps"] == engine.held_back > 0
 
 
 def _searched(context: list[int], count: int, longest: int, shortest: int) -> list[int]:
