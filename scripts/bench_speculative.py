@@ -91,6 +91,7 @@ def main() -> None:
     from jaxllm.serve.generation import Request
     from jaxllm.serve.load import build_engine, load_engine
     from jaxllm.serve.settings import ServeConfig, serving_config
+    from jaxllm.serve.speculation import Pace
     from jaxllm.train.step import init_params
 
     settings = {"slots": 4, "max_len": args.prompt_tokens + args.new + 8}
@@ -120,6 +121,8 @@ def main() -> None:
     # the same engine with speculation off is a baseline of the same buffers and executables.
     own_plain = None if args.draft else dataclasses.replace(speculating, speculative="off")
     always = dataclasses.replace(speculating, speculative_auto=False)
+    # Each setting of the speculating engine learns its own pace over its runs, as a server would.
+    paces = {id(settings): Pace(args.draft_tokens) for settings in (speculating, always, own_plain)}
     ngram = f"ngram {speculative.settings.ngram_min}..{speculative.settings.ngram_max}"
     how = f"draft model {args.draft}" if args.draft else ngram
     at_once = "all of a kind's requests at once" if args.together else "one request at a time"
@@ -131,6 +134,7 @@ def main() -> None:
         def run(engine, settings=None, requests=requests) -> tuple[float, np.ndarray]:
             """(seconds, the drafts verified, tokens proposed and tokens accepted meanwhile)"""
             engine.settings = settings or engine.settings
+            engine.pace = paces.setdefault(id(engine.settings), engine.pace)
             counts = np.array([engine.drafts, engine.draft_tokens, engine.accepted_tokens])
             start = time.perf_counter()
             for batch in [requests] if args.together else [[r] for r in requests]:

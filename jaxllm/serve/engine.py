@@ -45,7 +45,7 @@ from jaxllm.serve.guards import PerplexityAlarm
 from jaxllm.serve.pages import PagePool
 from jaxllm.serve.scheduler import Chunk, Plan, Scheduler, Sequence, State
 from jaxllm.serve.settings import ServeConfig
-from jaxllm.serve.speculation import Pace, choose, propose, spaced_out
+from jaxllm.serve.speculation import Pace, hold_back, propose, spaced_out
 
 log = logging.getLogger("jaxllm.serve")
 
@@ -80,6 +80,7 @@ class Dispatched:
     rows: int = 0  # (a decode) its batch bucket
     at: int = 0  # (a decode) the engine step that dispatched it
     after_prefill: bool = False  # (a decode) whether the engine step before dispatched a prefill
+    catches_up: bool = False  # (a decode) a row's draft model reads back plain steps' tokens (`Sequence.behind`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +137,7 @@ class Engine:
         self.steps_run = 0
         self.profiler = None  # with `before(step)` and `after(step, pending)`: traces steps A..B (--profile-steps)
         self._bandwidth_use, self._last_decode_read = 0.0, None  # (when, the step read's `at`)
-        self._prefilled = False  # whether the last engine step dispatched a prefill
+        self._prefilled = False  # whether the last engine step dispatched a prefill (read by `_dispatch_decode`)
         self.pace = Pace(s.draft_tokens)
         self.drafts = self.draft_tokens = self.accepted_tokens = self.held_back = 0  # speculative decoding's totals
         self.clock = time.perf_counter  # times decode steps, for the bandwidth gauge and `pace`
@@ -219,6 +220,7 @@ class Engine:
                 previous, self._dispatched = self._dispatched, []
                 for step in previous:
                     self._read(step)
+                self._last_decode_read = None  # the device idles while the host plans: time no step from here
                 plan = self._plan()
             if plan.decode and (step := self._dispatch_decode(plan.decode)):
                 dispatched.append(step)
@@ -240,7 +242,7 @@ class Engine:
         for sequence in self.scheduler.running:
             propose(sequence, self.settings, len(decoding))
         if self.settings.speculative_auto:
-            self.held_back += choose(decoding, self.pace, Buckets.fit(max(len(decoding), 1), self.buckets.rows))
+            self.held_back += hold_back(decoding, self.pace, Buckets.fit(max(len(decoding), 1), self.buckets.rows))
         plan = self.scheduler.plan()
         self._queued = len({s.generation for s in self.scheduler.waiting if s.issued == 0 and s.choice == 0})
         return plan
@@ -275,12 +277,16 @@ class Engine:
         pending = self.device.decode(decode_batch(sequences, masks, rows, width, self.slots, self.words, drafts))
         draws = [(row, s, s.dispatched) for row, s in enumerate(sequences)]
         decode_bytes = self.device.decode_bytes([s.position + 1 for s in sequences])
+        catches_up = self.settings.speculative == "draft" and any(s.drafts and s.behind for s in sequences)
         for s in sequences:
             if s.drafts:
                 s.verified_at = s.issued
+            s.behind = not s.drafts
             s.issued += 1 + s.drafts
-        return Dispatched(pending, draws, decode_bytes=decode_bytes, drafted=[s.drafts for s in sequences],
-                          rows=rows, at=self.steps_run, after_prefill=self._prefilled)  # fmt: skip
+        return Dispatched(
+            pending, draws, decode_bytes=decode_bytes, drafted=[s.drafts for s in sequences], rows=rows,
+            at=self.steps_run, after_prefill=self._prefilled, catches_up=catches_up,
+        )  # fmt: skip
 
     def _mask(self, sequence: Sequence) -> np.ndarray:
         """The tokens a constrained sequence may draw next, as a bitmask row."""
@@ -309,7 +315,7 @@ class Engine:
         scored = [(row, c) for row, c in enumerate(chunks) if c.sequence.scores_prompt and not c.sequence.output]
         for chunk in chunks:
             self.scheduler.advance(chunk)
-            chunk.sequence.verified_at = chunk.sequence.issued  # a draft model's cache holds it all
+            chunk.sequence.verified_at, chunk.sequence.behind = chunk.sequence.issued, False  # the draft holds it all
         return Dispatched(pending, draws, scored if self.settings.prompt_nll else [])
 
     def _read(self, step: Dispatched) -> None:
@@ -362,7 +368,8 @@ class Engine:
         """The time since the last decode step's read: the device's pace while decode steps follow
         one another. Over it, the bytes the step read (the bandwidth gauge); and where the decode
         before it was dispatched in the engine step before, with no prefill after it, the step's
-        cost for `pace`: verifying where a row holds a token or a rejection after its first."""
+        cost for `pace`: verifying where a row holds a token or a rejection after its first (and
+        not timed where a draft model caught up: see `Pace`)."""
         now, last = self.clock(), self._last_decode_read
         self._last_decode_read = now, step.at
         if last is None or now <= last[0]:
@@ -371,7 +378,8 @@ class Engine:
         self._bandwidth_use += self.BANDWIDTH_SMOOTHING * (use - self._bandwidth_use)
         if last[1] == step.at - 1 and not step.after_prefill:
             verified = tokens.ids.ndim == 2 and bool((tokens.ids[:, 1:] != -1).any())
-            self.pace.time(step.rows, verified, now - last[0])
+            if not (verified and step.catches_up):
+                self.pace.time(step.rows, verified, now - last[0])
 
     def _score_prompts(self, scored: list[tuple[int, Chunk]], prompt: Tokens) -> None:
         """Collects each prompt token's log-prob from the prefill chunks that read it; once a

@@ -52,6 +52,7 @@ class Sequence:
     resume_at: int = 0  # a speculating sequence proposes nothing before this output index ...
     misses: int = 0  # ... after this many verify steps in a row rejected all they proposed
     verified_at: int = 0  # `issued` when it last fed a verify step its drafts, or finished its prefill
+    behind: bool = False  # took plain steps since: its next verify step's draft model reads them back
 
     @property
     def prompt(self) -> list[int]:

@@ -3,7 +3,7 @@ in the step that verifies them (`lookup`, or a draft model: see `steps.decode`),
 only says how many a sequence wants: by prompt lookup, only where the last step read found its
 context's last tokens earlier (`steps.decode`'s `recurs`), and by either, none for a while after
 verify steps that rejected all they proposed; and (`serve.speculative_auto`) only where a verify
-step yields more tokens a second than a plain step would (`Pace`, `choose`).
+step yields more tokens a second than a plain step would (`Pace`, `hold_back`).
 """
 
 from __future__ import annotations
@@ -44,19 +44,26 @@ def spaced_out(sequence: Sequence, proposed: int, accepted: int) -> None:
 class Pace:
     """What a decode step costs at each batch bucket, plain and verifying (seconds, a moving
     average of the times between the reads of decode steps that follow one another), and what a
-    verify step yields a row that proposed tokens (a moving average of its tokens, accepted and one)."""
+    verify step yields a row that proposed tokens (a moving average of its tokens, accepted and one).
+    A verify step in which a draft model reads back plain steps' tokens is not timed: it costs a
+    wider call once in a run of verify steps, which holding back would make every verify step."""
 
     SMOOTHING = 0.2  # a step time's weight: the device's pace at a bucket moves little
     YIELD_SMOOTHING = 0.05  # a row's, from the 20th (the guess's among them): misses come in runs
     # The guess before the first verify step (every draft accepted) weighs as much as this many
     # rows: a first row's yield alone could stop verify steps, which then measure nothing.
     PRIOR_ROWS = 2
+    # A kind of step not timed at a bucket where the other is (or before any bucket has both) is
+    # tried at the first few decisions there, then at every 64th: a prefill beside every step
+    # leaves it untimed, and a bucket whose nearest timed one says otherwise would never time it.
+    FIRST_TRIES, TRY_EVERY = 4, 64
 
     def __init__(self, draft_tokens: int):
         self.seconds: dict[tuple[int, bool], float] = {}  # (rows, verifies) -> seconds a step
         self.yield_per_row = 1.0 + draft_tokens  # before the first verify step: all accepted
         self.rows_verified = self.PRIOR_ROWS
         self._seen: set[tuple[int, bool]] = set()
+        self._tries: dict[tuple[int, bool], int] = {}  # (rows, verifies) -> decisions while that kind is untimed
 
     def time(self, rows: int, verifies: bool, seconds: float) -> None:
         """A step's time; the first of each kind at each bucket is left out (a compiled step's first
@@ -77,22 +84,29 @@ class Pace:
 
     def verify_pays(self, rows: int, plain_tokens: float, verify_tokens: float) -> bool:
         """Whether a verify step of `rows` yielding `verify_tokens` outpaces a plain one yielding
-        `plain_tokens`, by the times at the nearest batch bucket where both kinds are timed. Before
-        any is, the kind not yet timed at `rows` is chosen, so that each is."""
+        `plain_tokens`, by the times at the nearest batch bucket where both kinds are timed (with
+        none, it is taken to: the engine verifies as it would without serve.speculative_auto). Now
+        and then a kind untimed at `rows` is tried instead (`FIRST_TRIES`)."""
         timed = [r for r, verifies in self.seconds if verifies and (r, False) in self.seconds]
+        if (rows, True) in self.seconds or (rows, False) in self.seconds or not timed:
+            untimed = (rows, True) not in self.seconds  # verify steps are timed first
+            if untimed or (rows, False) not in self.seconds:
+                key = (rows, untimed)
+                tried = self._tries[key] = self._tries.get(key, 0) + 1
+                if tried <= self.FIRST_TRIES or tried % self.TRY_EVERY == 0:
+                    return untimed
         if not timed:
-            return (rows, True) not in self.seconds
+            return True
         nearest = min(timed, key=lambda r: abs(math.log2(r / rows)))
         return verify_tokens / self.seconds[nearest, True] > plain_tokens / self.seconds[nearest, False]
 
 
-def choose(decoding: Many[Sequence], pace: Pace, rows: int) -> bool:
+def hold_back(decoding: Many[Sequence], pace: Pace, rows: int) -> bool:
     """Takes back the drafts `propose` set for the `decoding` sequences (a batch of bucket `rows`)
     where their verify step would yield fewer tokens a second than a plain step, by `pace`;
-    whether it did. A
-    sequence that has not verified for `LONGEST_BACK_OFF` tokens verifies all the same: so
-    acceptance is measured as the text changes, and a draft model reads back what plain steps
-    decoded (`steps.decode`)."""
+    whether it did. Where a sequence with drafts has not verified for `LONGEST_BACK_OFF` tokens,
+    every sequence with drafts verifies: so acceptance is measured as the text changes, and a
+    draft model reads back what plain steps decoded (`steps.decode`)."""
     wanting = [s for s in decoding if s.drafts]
     if not wanting or any(s.issued - s.verified_at >= LONGEST_BACK_OFF for s in wanting):
         return False
