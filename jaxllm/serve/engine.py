@@ -368,8 +368,8 @@ class Engine:
         """The time since the last decode step's read: the device's pace while decode steps follow
         one another. Over it, the bytes the step read (the bandwidth gauge); and where the decode
         before it was dispatched in the engine step before, with no prefill after it, the step's
-        cost for `pace`: verifying where a row holds a token or a rejection after its first (and
-        not timed where a draft model caught up: see `Pace`)."""
+        cost for `pace`: verifying where a row holds a token or a rejection after its first, a
+        catch-up where a draft model also read back plain steps' tokens."""
         now, last = self.clock(), self._last_decode_read
         self._last_decode_read = now, step.at
         if last is None or now <= last[0]:
@@ -378,8 +378,8 @@ class Engine:
         self._bandwidth_use += self.BANDWIDTH_SMOOTHING * (use - self._bandwidth_use)
         if last[1] == step.at - 1 and not step.after_prefill:
             verified = tokens.ids.ndim == 2 and bool((tokens.ids[:, 1:] != -1).any())
-            if not (verified and step.catches_up):
-                self.pace.time(step.rows, verified, now - last[0])
+            kind = ("catch_up" if step.catches_up else "verify") if verified else "plain"
+            self.pace.time(step.rows, kind, now - last[0])
 
     def _score_prompts(self, scored: list[tuple[int, Chunk]], prompt: Tokens) -> None:
         """Collects each prompt token's log-prob from the prefill chunks that read it; once a

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence as Many
+from typing import Literal
 
 from jaxllm.serve.scheduler import Sequence, State
 from jaxllm.serve.settings import LONGEST_BACK_OFF, ServeConfig
@@ -41,12 +42,13 @@ def spaced_out(sequence: Sequence, proposed: int, accepted: int) -> None:
         sequence.misses += 1
 
 
+Kind = Literal["plain", "verify", "catch_up"]  # a catch-up: a verify step whose draft model reads back plain steps
+
+
 class Pace:
-    """What a decode step costs at each batch bucket, plain and verifying (seconds, a moving
-    average of the times between the reads of decode steps that follow one another), and what a
-    verify step yields a row that proposed tokens (a moving average of its tokens, accepted and one).
-    A verify step in which a draft model reads back plain steps' tokens is not timed: it costs a
-    wider call once in a run of verify steps, which holding back would make every verify step."""
+    """What a decode step costs at each batch bucket, by kind (seconds, a moving average of the
+    times between the reads of decode steps that follow one another), and what a verify step
+    yields a row that proposed tokens (a moving average of its tokens, accepted and one)."""
 
     SMOOTHING = 0.2  # a step time's weight: the device's pace at a bucket moves little
     YIELD_SMOOTHING = 0.05  # a row's, from the 20th (the guess's among them): misses come in runs
@@ -59,16 +61,16 @@ class Pace:
     FIRST_TRIES, TRY_EVERY = 4, 64
 
     def __init__(self, draft_tokens: int):
-        self.seconds: dict[tuple[int, bool], float] = {}  # (rows, verifies) -> seconds a step
+        self.seconds: dict[tuple[int, Kind], float] = {}  # (rows, kind) -> seconds a step
         self.yield_per_row = 1.0 + draft_tokens  # before the first verify step: all accepted
         self.rows_verified = self.PRIOR_ROWS
-        self._seen: set[tuple[int, bool]] = set()
-        self._tries: dict[tuple[int, bool], int] = {}  # (rows, verifies) -> decisions while that kind is untimed
+        self._seen: set[tuple[int, Kind]] = set()
+        self._tries: dict[tuple[int, Kind], int] = {}  # decisions while that kind is untimed there
 
-    def time(self, rows: int, verifies: bool, seconds: float) -> None:
+    def time(self, rows: int, kind: Kind, seconds: float) -> None:
         """A step's time; the first of each kind at each bucket is left out (a compiled step's first
         run pays one-off costs: a verify step's first took twice its usual time on a CPU)."""
-        key = (rows, verifies)
+        key = (rows, kind)
         if key not in self._seen:
             self._seen.add(key)
             return
@@ -83,22 +85,22 @@ class Pace:
         self.yield_per_row += weight * (tokens - self.yield_per_row)
 
     def verify_pays(self, rows: int, plain_tokens: float, verify_tokens: float) -> bool:
-        """Whether a verify step of `rows` yielding `verify_tokens` outpaces a plain one yielding
-        `plain_tokens`, by the times at the nearest batch bucket where both kinds are timed (with
-        none, it is taken to: the engine verifies as it would without serve.speculative_auto). Now
-        and then a kind untimed at `rows` is tried instead (`FIRST_TRIES`)."""
-        timed = [r for r, verifies in self.seconds if verifies and (r, False) in self.seconds]
-        if (rows, True) in self.seconds or (rows, False) in self.seconds or not timed:
-            untimed = (rows, True) not in self.seconds  # verify steps are timed first
-            if untimed or (rows, False) not in self.seconds:
-                key = (rows, untimed)
-                tried = self._tries[key] = self._tries.get(key, 0) + 1
+        """Whether a verify step of `rows` yielding `verify_tokens` keeps up with a plain one
+        yielding `plain_tokens`, by the times at the nearest batch bucket where both kinds are
+        timed (with none, it is taken to: the engine verifies as it would without
+        serve.speculative_auto). A catch-up's time is its own: it comes once in a run of verify
+        steps. Now and then a kind untimed at `rows` is tried instead (`FIRST_TRIES`)."""
+        timed = [r for r, kind in self.seconds if kind == "verify" and (r, "plain") in self.seconds]
+        if (rows, "verify") in self.seconds or (rows, "plain") in self.seconds or not timed:
+            untimed = "verify" if (rows, "verify") not in self.seconds else "plain"  # verify steps first
+            if (rows, untimed) not in self.seconds:
+                tried = self._tries[rows, untimed] = self._tries.get((rows, untimed), 0) + 1
                 if tried <= self.FIRST_TRIES or tried % self.TRY_EVERY == 0:
-                    return untimed
+                    return untimed == "verify"
         if not timed:
             return True
         nearest = min(timed, key=lambda r: abs(math.log2(r / rows)))
-        return verify_tokens / self.seconds[nearest, True] > plain_tokens / self.seconds[nearest, False]
+        return verify_tokens / self.seconds[nearest, "verify"] >= plain_tokens / self.seconds[nearest, "plain"]
 
 
 def hold_back(decoding: Many[Sequence], pace: Pace, rows: int) -> bool:
