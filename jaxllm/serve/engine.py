@@ -100,7 +100,7 @@ class Stats:
     drafts: int  # drafts verified since start (one per sequence and step)
     draft_tokens: int  # tokens they proposed
     accepted_tokens: int  # of those, the tokens the model accepted
-    held_back: int  # decode steps whose drafts serve.speculative_auto took back (see `speculation.choose`)
+    held_back: int  # decode steps whose drafts serve.speculative_auto took back (see `speculation.hold_back`)
 
 
 class Engine:
